@@ -1,0 +1,70 @@
+"""Argument checks shared by every fake and, through the fakes, by every real kernel.
+
+The fakes are the single place where an operator's shape logic lives: the real implementations call
+them first to validate their arguments and to allocate their outputs, so the two cannot drift apart.
+Checks read metadata only (shapes, dtypes, devices, strides), never tensor values, and work on
+symbolic shapes: a relation between sizes goes through ``torch._check_with``, which records it as a
+runtime assertion under ``torch.compile`` instead of specialising the graph.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+INDEX_DTYPES = (torch.int32,)
+SLOT_DTYPES = (torch.int64,)
+
+
+def expect(cond, message) -> None:
+    """Raise ``ValueError`` unless ``cond`` (a bool or a SymBool) holds.
+
+    ``message`` is a string or a zero-argument callable that builds it (only on failure).
+    """
+    if cond is True:  # the common eager case: skip the SymBool machinery
+        return
+    torch._check_with(ValueError, cond, message if callable(message) else (lambda: message))
+
+
+def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    return " or ".join(str(d).replace("torch.", "") for d in dtypes)
+
+
+def check_tensor(name: str, t, *, dtypes=None, ndim: int | None = None, device=None) -> None:
+    """Type, dtype, rank and device of one argument."""
+    if not isinstance(t, torch.Tensor):
+        raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
+    if dtypes is not None and t.dtype not in dtypes:
+        raise ValueError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+    if ndim is not None and t.dim() != ndim:
+        raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
+    if device is not None and t.device != device:
+        raise ValueError(f"{name}: expected a tensor on {device} (where the first argument is), got {t.device}")
+
+
+def check_size(name: str, t: torch.Tensor, dim: int, expected, what: str) -> None:
+    """``t.shape[dim] == expected``; ``what`` names the expected size in the message."""
+    expect(
+        t.shape[dim] == expected,
+        lambda: f"{name}: expected shape[{dim}] == {what} ({expected}), got shape {tuple(t.shape)}",
+    )
+
+
+def check_min_size(name: str, t: torch.Tensor, dim: int, minimum, what: str) -> None:
+    expect(
+        t.shape[dim] >= minimum,
+        lambda: f"{name}: expected shape[{dim}] >= {what} ({minimum}), got shape {tuple(t.shape)}",
+    )
+
+
+def check_positive(name: str, value, minimum: int = 1) -> None:
+    if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
+        raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
+    expect(value >= minimum, lambda: f"{name}: expected an int >= {minimum}, got {value}")
+
+
+def check_unit_stride(name: str, t: torch.Tensor) -> None:
+    """The last dimension must be dense (kernels vectorise along it)."""
+    if t.dim() > 0 and t.shape[-1] != 1:
+        expect(t.stride(-1) == 1, lambda: f"{name}: expected stride(-1) == 1, got strides {tuple(t.stride())}")

@@ -1,0 +1,354 @@
+"""Kernels of the metadata operators (SPEC sections 1-4): vectorised PyTorch and Triton.
+
+Every entry point takes the ``out`` overload's positional arguments followed by the output tensors,
+and writes exactly the region the SPEC gives it. Naming: ``_NAME_kernel`` (Triton) ->
+``NAME_triton`` (launcher) and ``NAME_torch`` (PyTorch).
+
+Shared rules, applied identically by both backends:
+- a block-table lookup ``block_table[r, c]`` is empty (-1) when ``r`` is outside ``[0, R)``, ``c``
+  outside ``[0, M)`` or the block id is negative; nothing out of range is ever read;
+- slots are computed in int64; an int32 output whose slot does not fit in int32 is -1;
+- Triton integer ``//`` truncates toward zero, so every division here has a non-negative dividend.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_sparse_mla.ops._triton import tl, triton
+
+INT32_MAX = 2**31 - 1
+_BLOCK_1D = 256  # tokens per program of the 1-D kernels
+_BLOCK_COLS = 128  # index columns per program of the 2-D kernels
+
+
+def _grid_rows_cols(rows: int, cols: int) -> tuple[int, int]:
+    # Tokens go on grid dimension 0 (CUDA caps dimensions 1 and 2 at 65535, a prefill can exceed it).
+    return (rows, max(triton.cdiv(cols, _BLOCK_COLS), 1))
+
+
+# =====================================================================================================
+# PyTorch kernels
+# =====================================================================================================
+
+
+def _lookup_slots_torch(block_table: torch.Tensor, req: torch.Tensor, entry: torch.Tensor, block_size: int,
+                        valid: torch.Tensor) -> torch.Tensor:
+    """int64 slot of request-local entry ``entry`` (broadcast against ``req``), -1 where invalid.
+
+    ``valid`` marks entries that are meant to be looked up; the block-table bounds and a negative
+    block id add to it.
+    """
+    num_req, width = block_table.shape
+    entry = entry.to(torch.int64)
+    req = req.to(torch.int64)
+    col = torch.div(entry, block_size, rounding_mode="floor")
+    ok = valid & (entry >= 0) & (col < width) & (req >= 0) & (req < num_req)
+    if block_table.numel() == 0:
+        return torch.full(ok.shape, -1, dtype=torch.int64, device=ok.device)
+    block = block_table[req.clamp(0, num_req - 1), col.clamp(0, width - 1)].to(torch.int64)
+    ok = ok & (block >= 0)
+    return torch.where(ok, block * block_size + (entry - col * block_size), -1)
+
+
+def _to_index32(slots: torch.Tensor) -> torch.Tensor:
+    return torch.where(slots > INT32_MAX, -1, slots).to(torch.int32)
+
+
+def compressed_slot_mapping_torch(query_start_loc, seq_lens, block_table, block_size, compress_ratio, out):
+    n, num_req = out.shape[0], seq_lens.shape[0]
+    if n == 0:
+        return
+    if num_req == 0:
+        out.fill_(-1)
+        return
+    j = torch.arange(n, device=out.device, dtype=torch.int64)
+    starts = query_start_loc.to(torch.int64)
+    req = torch.searchsorted(starts[:num_req].contiguous(), j, right=True) - 1
+    req_c = req.clamp(0, num_req - 1)
+    in_req = (req >= 0) & (j < starts[req_c + 1])
+    query_len = starts[req_c + 1] - starts[req_c]
+    pos = seq_lens.to(torch.int64)[req_c] - query_len + (j - starts[req_c])
+    closes = in_req & (pos >= 0) & (torch.remainder(pos + 1, compress_ratio) == 0)
+    entry = torch.div(pos, compress_ratio, rounding_mode="floor")
+    out.copy_(_lookup_slots_torch(block_table, req_c, entry, block_size, closes))
+
+
+def c128a_topk_indices_torch(positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
+                             compress_ratio, block_size, width, decode_indices, decode_lens, prefill_indices):
+    num_tokens = positions.shape[0]
+    n = torch.div(positions + 1, compress_ratio, rounding_mode="floor").clamp(0, width)
+    o = torch.arange(width, device=positions.device, dtype=torch.int64)
+    used = o[None, :] < n[:, None]
+    d = num_decode_tokens
+    if d > 0:
+        slots = _lookup_slots_torch(block_table, token_to_req[:d, None], o[None, :], block_size, used[:d])
+        decode_indices[:d, :width].copy_(_to_index32(slots))
+        decode_lens[:d].copy_(torch.where(slot_mapping[:d] >= 0, n[:d], 0).to(torch.int32))
+    if num_tokens > d:
+        prefill_indices[: num_tokens - d, :width].copy_(torch.where(used[d:], o[None, :], -1).to(torch.int32))
+
+
+def decode_runtime_metadata_torch(seq_lens, decode_query_len, kv_segment_lens, qo_offset):
+    q = decode_query_len
+    expanded = seq_lens.repeat_interleave(q)
+    kv_segment_lens.copy_(expanded)
+    qo_offset.copy_(expanded - q + torch.arange(q, device=seq_lens.device, dtype=torch.int32).repeat(seq_lens.shape[0]))
+
+
+def swa_indices_torch(positions, token_to_req, block_table, slot_mapping, window, block_size, indices, lens):
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    start = (positions - window + 1).clamp(min=0)
+    n = (positions + 1 - start).clamp(min=0)
+    o = torch.arange(window, device=positions.device, dtype=torch.int64)
+    used = o[None, :] < n[:, None]
+    slots = _lookup_slots_torch(block_table, token_to_req[:, None], start[:, None] + o[None, :], block_size, used)
+    indices[:num_tokens, :window].copy_(_to_index32(slots))
+    lens[:num_tokens].copy_(torch.where(slot_mapping >= 0, n, 0).to(torch.int32))
+
+
+def compressed_topk_to_global_torch(local_indices, token_to_req, block_table, slot_mapping, block_size,
+                                    indices, lens):
+    num_tokens, k = local_indices.shape
+    if num_tokens == 0:
+        return
+    slots = _to_index32(_lookup_slots_torch(block_table, token_to_req[:, None], local_indices, block_size,
+                                            local_indices >= 0))
+    indices[:num_tokens, :k].copy_(slots)
+    col = torch.arange(1, k + 1, device=slots.device, dtype=torch.int32)
+    last = torch.where(slots >= 0, col[None, :], 0).amax(dim=1) if k > 0 else torch.zeros_like(token_to_req)
+    lens[:num_tokens].copy_(torch.where(slot_mapping >= 0, last, 0))
+
+
+# =====================================================================================================
+# Triton kernels
+# =====================================================================================================
+
+
+@triton.jit
+def _lookup_slots(
+    block_table_ptr, stride_bt_r, stride_bt_c,  # int32 [R, M]
+    num_req, max_blocks,
+    req,  # int64, any shape
+    entry,  # int64, same shape: request-local entry number
+    valid,  # bool, same shape
+    block_size,
+):
+    """int64 slot of ``entry`` through row ``req`` of the block table, -1 where empty; never reads out
+    of bounds (the load is masked by the same conditions)."""
+    entry_safe = tl.maximum(entry, 0)
+    col = entry_safe // block_size
+    ok = valid & (entry >= 0) & (col < max_blocks) & (req >= 0) & (req < num_req)
+    block = tl.load(block_table_ptr + req * stride_bt_r + col * stride_bt_c, mask=ok, other=-1).to(tl.int64)
+    ok = ok & (block >= 0)
+    return tl.where(ok, block * block_size + (entry_safe - col * block_size), -1)
+
+
+@triton.jit
+def _compressed_slot_mapping_kernel(
+    query_start_loc_ptr, stride_qsl,  # int32 [R+1]
+    seq_lens_ptr, stride_sl,  # int32 [R]
+    block_table_ptr, stride_bt_r, stride_bt_c,  # int32 [R, M]
+    out_ptr, stride_out,  # int64 [N]
+    num_out, num_req, max_blocks, block_size, compress_ratio,
+    search_steps,  # bit length of R: enough binary-search iterations for R requests
+    BLOCK: tl.constexpr,
+):
+    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = j < num_out
+    # Largest r in [0, R) with query_start_loc[r] <= j: every output element finds its request by
+    # itself, so each element is written exactly once and padding past the last request gets -1.
+    lo = tl.zeros([BLOCK], dtype=tl.int64)
+    hi = tl.zeros([BLOCK], dtype=tl.int64) + num_req  # search in [lo, hi)
+    for _ in range(search_steps):
+        mid = (lo + hi) // 2
+        go = lo < hi
+        start_mid = tl.load(query_start_loc_ptr + mid * stride_qsl, mask=go & live, other=0).to(tl.int64)
+        right = go & (start_mid <= j)
+        lo = tl.where(right, mid + 1, lo)
+        hi = tl.where(go & ~right, mid, hi)
+    req = lo - 1
+    has_req = live & (req >= 0)
+    start = tl.load(query_start_loc_ptr + req * stride_qsl, mask=has_req, other=0).to(tl.int64)
+    end = tl.load(query_start_loc_ptr + (req + 1) * stride_qsl, mask=has_req, other=0).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req * stride_sl, mask=has_req, other=0).to(tl.int64)
+    pos = seq_len - (end - start) + (j - start)
+    pos_safe = tl.maximum(pos, 0)
+    closes = has_req & (j < end) & (pos >= 0) & ((pos_safe + 1) % compress_ratio == 0)
+    slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks, req,
+                         pos_safe // compress_ratio, closes, block_size)
+    tl.store(out_ptr + j * stride_out, slot, mask=live)
+
+
+def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block_size, compress_ratio, out):
+    n, num_req = out.shape[0], seq_lens.shape[0]
+    if n == 0:
+        return
+    steps = max(int(num_req).bit_length(), 1)
+    _compressed_slot_mapping_kernel[(triton.cdiv(n, _BLOCK_1D),)](
+        query_start_loc, query_start_loc.stride(0), seq_lens, seq_lens.stride(0),
+        block_table, block_table.stride(0), block_table.stride(1), out, out.stride(0),
+        n, num_req, block_table.shape[1], block_size, compress_ratio,
+        steps, BLOCK=_BLOCK_1D,
+    )
+
+
+@triton.jit
+def _c128a_topk_indices_kernel(
+    positions_ptr, stride_pos,  # int64 [T]
+    token_to_req_ptr, stride_ttr,  # int32 [T]
+    block_table_ptr, stride_bt_r, stride_bt_c,  # int32 [R, M]
+    slot_mapping_ptr, stride_sm,  # int64 [T]
+    dec_idx_ptr, stride_di_r, stride_di_c,  # int32 [>=D, >=width]
+    dec_lens_ptr, stride_dl,  # int32 [>=D]
+    pre_idx_ptr, stride_pi_r, stride_pi_c,  # int32 [>=P, >=width]
+    num_decode, num_req, max_blocks, compress_ratio, block_size, width,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)  # one token per program row
+    pid_c = tl.program_id(1)
+    o = pid_c * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    cols = o < width
+    pos = tl.load(positions_ptr + t * stride_pos)
+    n = tl.minimum(tl.maximum(pos + 1, 0) // compress_ratio, width)
+    used = o < n
+    if t < num_decode:
+        req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
+        slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
+                             req + tl.zeros_like(o), o, used, block_size)
+        slot = tl.where(slot > 2147483647, -1, slot)
+        tl.store(dec_idx_ptr + t * stride_di_r + o * stride_di_c, slot.to(tl.int32), mask=cols)
+        if pid_c == 0:
+            is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
+            tl.store(dec_lens_ptr + t * stride_dl, tl.where(is_real, n, 0).to(tl.int32))
+    else:
+        row = t - num_decode
+        tl.store(pre_idx_ptr + row * stride_pi_r + o * stride_pi_c, tl.where(used, o, -1).to(tl.int32), mask=cols)
+
+
+def c128a_topk_indices_triton(positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
+                              compress_ratio, block_size, width, decode_indices, decode_lens, prefill_indices):
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    _c128a_topk_indices_kernel[_grid_rows_cols(num_tokens, width)](
+        positions, positions.stride(0), token_to_req, token_to_req.stride(0),
+        block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
+        decode_indices, decode_indices.stride(0), decode_indices.stride(1),
+        decode_lens, decode_lens.stride(0),
+        prefill_indices, prefill_indices.stride(0), prefill_indices.stride(1),
+        num_decode_tokens, block_table.shape[0], block_table.shape[1], compress_ratio, block_size, width,
+        BLOCK=_BLOCK_COLS,
+    )
+
+
+@triton.jit
+def _decode_runtime_metadata_kernel(
+    seq_lens_ptr, stride_sl,  # int32 [B]
+    kv_lens_ptr, stride_kv,  # int32 [B*q]
+    qo_offset_ptr, stride_qo,  # int32 [B*q]
+    num_rows, decode_query_len,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    live = r < num_rows
+    req = r // decode_query_len
+    seq_len = tl.load(seq_lens_ptr + req * stride_sl, mask=live, other=0)
+    tl.store(kv_lens_ptr + r * stride_kv, seq_len, mask=live)
+    qo = seq_len - decode_query_len + (r - req * decode_query_len).to(tl.int32)
+    tl.store(qo_offset_ptr + r * stride_qo, qo, mask=live)
+
+
+def decode_runtime_metadata_triton(seq_lens, decode_query_len, kv_segment_lens, qo_offset):
+    rows = kv_segment_lens.shape[0]
+    if rows == 0:
+        return
+    _decode_runtime_metadata_kernel[(triton.cdiv(rows, _BLOCK_1D),)](
+        seq_lens, seq_lens.stride(0), kv_segment_lens, kv_segment_lens.stride(0), qo_offset, qo_offset.stride(0),
+        rows, decode_query_len, BLOCK=_BLOCK_1D,
+    )
+
+
+@triton.jit
+def _swa_indices_kernel(
+    positions_ptr, stride_pos,  # int64 [T]
+    token_to_req_ptr, stride_ttr,  # int32 [T]
+    block_table_ptr, stride_bt_r, stride_bt_c,  # int32 [R, M]
+    slot_mapping_ptr, stride_sm,  # int64 [T]
+    idx_ptr, stride_i_r, stride_i_c,  # int32 [>=T, >=window]
+    lens_ptr, stride_l,  # int32 [>=T]
+    num_req, max_blocks, window, block_size,
+    BLOCK: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
+    o = pid_c * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    pos = tl.load(positions_ptr + t * stride_pos)
+    start = tl.maximum(pos - window + 1, 0)
+    n = tl.maximum(pos + 1 - start, 0)
+    req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
+    slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
+                         req + tl.zeros_like(o), start + o, o < n, block_size)
+    slot = tl.where(slot > 2147483647, -1, slot)
+    tl.store(idx_ptr + t * stride_i_r + o * stride_i_c, slot.to(tl.int32), mask=o < window)
+    if pid_c == 0:
+        is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
+        tl.store(lens_ptr + t * stride_l, tl.where(is_real, n, 0).to(tl.int32))
+
+
+def swa_indices_triton(positions, token_to_req, block_table, slot_mapping, window, block_size, indices, lens):
+    num_tokens = positions.shape[0]
+    if num_tokens == 0:
+        return
+    _swa_indices_kernel[_grid_rows_cols(num_tokens, window)](
+        positions, positions.stride(0), token_to_req, token_to_req.stride(0),
+        block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
+        indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
+        block_table.shape[0], block_table.shape[1], window, block_size,
+        BLOCK=_BLOCK_COLS,
+    )
+
+
+@triton.jit
+def _compressed_topk_to_global_kernel(
+    local_ptr, stride_li_r, stride_li_c,  # int32 [T, K]
+    token_to_req_ptr, stride_ttr,  # int32 [T]
+    block_table_ptr, stride_bt_r, stride_bt_c,  # int32 [R, M]
+    slot_mapping_ptr, stride_sm,  # int64 [T]
+    idx_ptr, stride_i_r, stride_i_c,  # int32 [>=T, >=K]
+    lens_ptr, stride_l,  # int32 [>=T]
+    num_req, max_blocks, k, block_size,
+    BLOCK: tl.constexpr,
+):
+    # One program per token walks all K columns, so ``lens`` (the last non-empty column + 1) needs
+    # no cross-program reduction.
+    t = tl.program_id(0).to(tl.int64)
+    req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
+    last = tl.zeros([BLOCK], dtype=tl.int32)
+    for c0 in range(0, k, BLOCK):
+        o = c0 + tl.arange(0, BLOCK).to(tl.int64)
+        cols = o < k
+        entry = tl.load(local_ptr + t * stride_li_r + o * stride_li_c, mask=cols, other=-1).to(tl.int64)
+        slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
+                             req + tl.zeros_like(o), entry, cols, block_size)
+        slot = tl.where(slot > 2147483647, -1, slot)
+        tl.store(idx_ptr + t * stride_i_r + o * stride_i_c, slot.to(tl.int32), mask=cols)
+        last = tl.maximum(last, tl.where(slot >= 0, o + 1, 0).to(tl.int32))
+    is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
+    tl.store(lens_ptr + t * stride_l, tl.where(is_real, tl.max(last, axis=0), 0))
+
+
+def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, slot_mapping, block_size,
+                                     indices, lens):
+    num_tokens, k = local_indices.shape
+    if num_tokens == 0:
+        return
+    _compressed_topk_to_global_kernel[(num_tokens,)](
+        local_indices, local_indices.stride(0), local_indices.stride(1), token_to_req, token_to_req.stride(0),
+        block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
+        indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
+        block_table.shape[0], block_table.shape[1], k, block_size,
+        BLOCK=_BLOCK_COLS,
+    )

@@ -1,0 +1,44 @@
+"""Helpers shared by the test modules (markers, compile and CUDA-graph checks, input factories)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+HAS_CUDA = torch.cuda.is_available()
+INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+requires_cuda = pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA GPU: these run on the H200 through scripts/gpu_suite.sh"
+)
+requires_interpreter = pytest.mark.skipif(
+    not INTERPRETER,
+    reason="Triton interpreter parity runs where TRITON_INTERPRET=1 was set before import (CPU machines, CI)",
+)
+
+
+def compile_counter():
+    """A torch.compile backend (inductor) that counts compiled frames."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    return CompileCounterWithBackend("inductor")
+
+
+def assert_no_recompiles(fn, arg_sets, check):
+    """Compile ``fn`` with ``fullgraph=True, dynamic=True``, run it on every argument set (different
+    batch sizes), compare each result with ``check(args, result)``, and assert one compiled frame."""
+    torch._dynamo.reset()
+    counter = compile_counter()
+    compiled = torch.compile(fn, backend=counter, fullgraph=True, dynamic=True)
+    for args in arg_sets:
+        check(args, compiled(*args))
+    assert counter.frame_count == 1, f"expected one compiled frame, got {counter.frame_count}"
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill an output buffer with a value no kernel writes legitimately (checks every element is written)."""
+    if t.dtype.is_floating_point:
+        return t.fill_(float("nan"))
+    return t.fill_(-12345)
