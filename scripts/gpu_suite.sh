@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The whole GPU check in one call (for the lent H200, or any CUDA machine): the full test suite (its
+# CUDA tests included: parity, manual CUDA-graph capture/replay, reduce-overhead capture) and the
+# benchmarks. Logs and the benchmark table go to $OUT (default ./gpu_out).
+#   bash scripts/gpu_suite.sh [tests|bench|all] [test files, relative to the repo (default: tests/)]
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WHAT=${1:-all}; shift || true
+OUT=${OUT:-$REPO/gpu_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+
+# An importable copy of the package (ops/ and meta_kernels/ inside it, as the wheel lays them out),
+# so nothing needs pip or a network; wheels carried in .whl/ (expecttest) go beside it.
+SITE=$(mktemp -d)
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$REPO"/.whl/*.whl || exit 1
+fi
+cp -r "$REPO/torch_sparse_mla" "$SITE/" && cp -r "$REPO/ops" "$REPO/meta_kernels" "$SITE/torch_sparse_mla/"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+cd "$SITE"  # not the repo root: the source package there lacks ops/ and would shadow the copy
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
+
+rc=0
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+  targets=("$REPO/tests"); [ $# -gt 0 ] && targets=("${@/#/$REPO/}")
+  python3 -m pytest -q -rs -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest.log"
+  rc=${PIPESTATUS[0]}
+fi
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  python3 -m torch_sparse_mla.bench all --out "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
+fi
+exit $rc
