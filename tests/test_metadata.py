@@ -12,6 +12,8 @@ import random
 import pytest
 import torch
 from expecttest import assert_expected_inline
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import torch_sparse_mla as tsm
 from common import INTERPRETER, assert_no_recompiles, poison, requires_cuda, requires_interpreter
@@ -357,6 +359,31 @@ def test_non_contiguous_inputs():
         outs = (poison(torch.empty(t, 6, dtype=I32)), poison(torch.empty(t, dtype=I32)))
         backend(strided.positions, strided.token_to_req, strided.block_table, strided.slot_mapping, 6, 4, *outs)
         check_swa(b, 6, 4, outs)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    query_lens=st.lists(st.integers(0, 6), max_size=6),
+    context=st.lists(st.integers(-3, 40), min_size=6, max_size=6),
+    blocks=st.lists(st.integers(-2, 30), min_size=1, max_size=24),
+    max_blocks=st.integers(1, 4),
+    block_size=st.integers(1, 5),
+    ratio=st.sampled_from([1, 2, 3, 4, 128]),
+    pad=st.integers(0, 4),
+)
+def test_compressed_slot_mapping_property(query_lens, context, blocks, max_blocks, block_size, ratio, pad):
+    """Any batch shape and any values (negative contexts, missing blocks) agree with the reference."""
+    num_reqs = len(query_lens)
+    qsl = [0]
+    for ql in query_lens:
+        qsl.append(qsl[-1] + ql)
+    seq_lens = [ql + c for ql, c in zip(query_lens, context)]
+    table = [[blocks[(r * max_blocks + c) % len(blocks)] for c in range(max_blocks)] for r in range(num_reqs)]
+    n = qsl[-1] + pad
+    out = tsm.compressed_slot_mapping(torch.tensor(qsl, dtype=I32), torch.tensor(seq_lens, dtype=I32),
+                                      torch.tensor(table, dtype=I32).reshape(num_reqs, max_blocks), num_tokens=n,
+                                      block_size=block_size, compress_ratio=ratio)
+    assert out.tolist() == ref_compressed_slot_mapping(qsl, seq_lens, table, n, block_size, ratio)
 
 
 # =====================================================================================================
