@@ -27,7 +27,7 @@ def expect(cond, message) -> None:
     torch._check_with(ValueError, cond, message if callable(message) else (lambda: message))
 
 
-def _dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
     return " or ".join(str(d).replace("torch.", "") for d in dtypes)
 
 
@@ -36,7 +36,7 @@ def check_tensor(name: str, t, *, dtypes=None, ndim: int | None = None, device=N
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name}: expected a tensor, got {type(t).__name__}")
     if dtypes is not None and t.dtype not in dtypes:
-        raise ValueError(f"{name}: expected dtype {_dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
+        raise ValueError(f"{name}: expected dtype {dtype_names(dtypes)}, got {str(t.dtype).replace('torch.', '')}")
     if ndim is not None and t.dim() != ndim:
         raise ValueError(f"{name}: expected a {ndim}-D tensor, got shape {tuple(t.shape)}")
     if device is not None and t.device != device:

@@ -1,17 +1,311 @@
-"""Kernels for the kv_cache family. PLACEHOLDER: replaced by the kv_cache work."""
+"""Kernels of the KV cache operators (SPEC section 5): vectorised PyTorch and Triton.
+
+Every entry point takes the ``out`` overload's positional arguments followed by the output tensors
+(``kv_cache_insert`` writes its ``kv_cache`` argument and has none). Naming: ``_NAME_kernel`` (Triton)
+-> ``NAME_triton`` (launcher) and ``NAME_torch`` (PyTorch). Reading a cache goes through
+``ops/_formats`` (``dequantize_torch``, ``load_kv_cols``), shared with the attention kernels; writing
+one (quantisation) lives here.
+
+Both backends produce the same bytes:
+- divisions are IEEE round-to-nearest (``tl.math.div_rn`` in Triton: ``/`` is an approximate division
+  on the GPU);
+- every float -> e4m3 / bf16 / fp16 rounding in Triton is done on the float32 bit pattern by
+  ``_round_to_small_float`` (round to nearest even, saturating), because the Triton interpreter
+  truncates in ``.to()`` while the GPU rounds; the PyTorch side uses torch's RNE conversions;
+- the UE8M0 exponent ``ceil(log2(y))`` is read from the exponent and mantissa bits of ``y`` (exact;
+  ``log2`` is approximate on the GPU);
+- bf16 inputs are widened by a shift of their bits (the interpreter flushes bf16 subnormals).
+Multi-byte fields of the fp8 formats are written byte by byte, little-endian, so no alignment beyond
+one byte is assumed (a page stride padded to an odd number of bytes works).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_sparse_mla.ops._formats import FORMAT_IDS, cache_dim, dequantize_torch, load_kv_cols
+from torch_sparse_mla.ops._triton import tl, triton
+
+E4M3_MAX = 448.0
+FP32_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126: the SPEC's 1.1754944e-38 rounded to float32
+UE8M0_MIN_AMAX = 1e-4  # fp8_584 tiles below this amax share the exponent of 1e-4
+
+# Store dtype codes of the Triton kernels (``STORE_DTYPE`` constexpr): how a float32 value is written.
+_STORE_F32, _STORE_BF16, _STORE_F16 = 0, 1, 2
+_STORE_CODES = {torch.float32: _STORE_F32, torch.bfloat16: _STORE_BF16, torch.float16: _STORE_F16}
+
+_GATHER_BLOCK_N = 16  # slots per program of the gather kernel
 
 
-def kv_cache_insert_torch(*args):
-    raise NotImplementedError('kv_cache_insert_torch')
+# =====================================================================================================
+# PyTorch kernels
+# =====================================================================================================
 
 
-def kv_cache_insert_triton(*args):
-    raise NotImplementedError('kv_cache_insert_triton')
+def _e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
+    """uint8 e4m3fn bytes of float32 ``x``: round to nearest even, saturating at +-448 (torch's
+    float -> e4m3fn gives NaN past 448 and ``x / scale`` can round to 448.00003)."""
+    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
 
 
-def kv_cache_gather_torch(*args):
-    raise NotImplementedError('kv_cache_gather_torch')
+def _bf16_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``[n, 2 * d]`` little-endian bytes of float32 ``x [n, d]`` rounded to bf16."""
+    return x.to(torch.bfloat16).contiguous().view(torch.uint8)
 
 
-def kv_cache_gather_triton(*args):
-    raise NotImplementedError('kv_cache_gather_triton')
+def _encode_fp8_656_torch(x: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[n, 656]`` records of float32 ``x [n, 576]``."""
+    n = x.shape[0]
+    tiles = x[:, :512].reshape(n, 4, 128)
+    scale = (tiles.abs().amax(dim=-1) / E4M3_MAX).clamp_min(FP32_MIN_NORMAL)  # [n, 4]
+    fp8 = _e4m3_bytes(tiles / scale[:, :, None]).reshape(n, 512)
+    return torch.cat([fp8, scale.view(torch.uint8), _bf16_bytes(x[:, 512:])], dim=1)
+
+
+def ue8m0_exponent_torch(amax: torch.Tensor) -> torch.Tensor:
+    """int32 ``ceil(log2(max(amax, 1e-4) / 448))``, exactly: the exponent of ``y`` plus one when ``y``
+    is not a power of two (``y`` is a normal float32 for every finite ``amax``)."""
+    bits = (amax.clamp_min(UE8M0_MIN_AMAX) / E4M3_MAX).view(torch.int32)
+    return ((bits >> 23) & 0xFF) - 127 + ((bits & 0x7FFFFF) != 0).to(torch.int32)
+
+
+def _encode_fp8_584_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(uint8 ``[n, 576]`` data rows, uint8 ``[n, 8]`` scale rows) of float32 ``x [n, 512]``."""
+    n = x.shape[0]
+    tiles = x[:, :448].reshape(n, 7, 64)
+    e = ue8m0_exponent_torch(tiles.abs().amax(dim=-1))  # [n, 7]
+    # 2**-e built in the exponent field: exact, and e stays in [-22, 120] for finite inputs.
+    inv_scale = ((127 - e).clamp(1, 254) << 23).view(torch.float32)
+    fp8 = _e4m3_bytes(tiles * inv_scale[:, :, None]).reshape(n, 448)
+    data = torch.cat([fp8, _bf16_bytes(x[:, 448:])], dim=1)
+    exps = torch.cat([(e + 127).clamp(0, 255).to(torch.uint8), x.new_zeros((n, 1), dtype=torch.uint8)], dim=1)
+    return data, exps
+
+
+def kv_cache_insert_torch(kv, slot_mapping, kv_cache, kv_format):
+    pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    keep = (slot_mapping >= 0) & (slot_mapping < pages * page_size)
+    slots = slot_mapping[keep]
+    if slots.numel() == 0:
+        return
+    page, row = slots // page_size, slots % page_size
+    if kv_format == "auto":
+        kv_cache[page, row] = kv[keep].to(kv_cache.dtype)
+        return
+    x = kv[keep].to(torch.float32)
+    if kv_format == "fp8_656":
+        kv_cache[page, row] = _encode_fp8_656_torch(x)  # stride(1) == 656: a token's record is one row
+        return
+    # fp8_584: two byte views of every page, laid out by the SPEC rather than by stride(1).
+    data, exps = _encode_fp8_584_torch(x)
+    base, stride_page = kv_cache.storage_offset(), kv_cache.stride(0)
+    data_rows = torch.as_strided(kv_cache, (pages, page_size, 576), (stride_page, 576, 1), base)
+    scale_rows = torch.as_strided(kv_cache, (pages, page_size, 8), (stride_page, 8, 1), base + 576 * page_size)
+    data_rows[page, row] = data
+    scale_rows[page, row] = exps
+
+
+def kv_cache_gather_torch(kv_cache, slots, kv_format, dtype, out):
+    # ``out.dtype`` is the result dtype (the fake checked that ``dtype``, when given, agrees).
+    if out.shape[0] == 0:
+        return
+    out.copy_(dequantize_torch(kv_cache, slots, kv_format))
+
+
+# =====================================================================================================
+# Triton kernels
+# =====================================================================================================
+
+
+@triton.jit
+def _round_to_small_float(x, MBITS: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr,
+                          MAX_MAG: tl.constexpr):
+    """int32 bit pattern of float32 ``x`` rounded to nearest even in a float format with ``MBITS``
+    mantissa bits, ``EBITS`` exponent bits and exponent bias ``BIAS`` (subnormals included); the
+    magnitude saturates at the pattern ``MAX_MAG`` (448 for e4m3fn, inf for bf16/fp16). Integer
+    arithmetic only, so the GPU and the interpreter give the same bits."""
+    bits = x.to(tl.int32, bitcast=True)
+    sign = (bits >> 31) & 1
+    mag = bits & 0x7FFFFFFF
+    exp = mag >> 23
+    SHIFT: tl.constexpr = 23 - MBITS
+    # Normal results: round the float32 mantissa to MBITS bits (a carry moves into the exponent), rebias.
+    normal = ((mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MBITS)
+    # Subnormal results (|x| < 2**(1 - BIAS)): the significand counted in units of the smallest
+    # subnormal, 2**(1 - BIAS - MBITS), rounded to an integer; 2**MBITS units is the smallest normal.
+    sig = (mag & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)
+    # float32 subnormals (exp == 0) have the scale of exp == 1; [1, 31] keeps every shift defined.
+    drop = tl.minimum(tl.maximum(151 - BIAS - MBITS - tl.maximum(exp, 1), 1), 31)
+    kept = sig >> drop
+    rest = sig & ((1 << drop) - 1)
+    half = 1 << (drop - 1)
+    sub = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
+    mag_out = tl.minimum(tl.where(exp < 128 - BIAS, sub, normal), MAX_MAG)
+    return mag_out | (sign << (EBITS + MBITS))
+
+
+@triton.jit
+def _e4m3_bits(x):
+    return _round_to_small_float(x, 3, 4, 7, 0x7E)
+
+
+@triton.jit
+def _bf16_bits(x):
+    return _round_to_small_float(x, 7, 8, 127, 0x7F80)
+
+
+@triton.jit
+def _f16_bits(x):
+    return _round_to_small_float(x, 10, 5, 15, 0x7C00)
+
+
+@triton.jit
+def _load_as_f32(ptrs, mask, IS_BF16: tl.constexpr):
+    """float32 of the values at ``ptrs``; bf16 arrives as int16 bits and is widened by a shift."""
+    if IS_BF16:
+        return (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_bytes(ptr, bits, NBYTES: tl.constexpr, mask):
+    """Store the low ``NBYTES`` bytes of each int32 of ``bits [M]`` little-endian at ``ptr + NBYTES * i``."""
+    k = tl.arange(0, NBYTES)
+    i = tl.arange(0, bits.shape[0])
+    vals = (bits[:, None] >> (8 * k)[None, :]) & 0xFF
+    tl.store(ptr + (NBYTES * i)[:, None] + k[None, :], vals.to(tl.uint8), mask=mask)
+
+
+@triton.jit
+def _store_converted(ptrs, x, mask, STORE_DTYPE: tl.constexpr):
+    """Write float32 ``x``: as float32, or as the int16 bits of bf16 / fp16 (RNE) through an int16 view."""
+    if STORE_DTYPE == 0:
+        tl.store(ptrs, x, mask=mask)
+    elif STORE_DTYPE == 1:
+        tl.store(ptrs, _bf16_bits(x).to(tl.int16), mask=mask)
+    else:
+        tl.store(ptrs, _f16_bits(x).to(tl.int16), mask=mask)
+
+
+@triton.jit
+def _kv_cache_insert_kernel(
+    kv_ptr, stride_kv_n, stride_kv_d,  # [N, D] float32 / fp16, or the int16 view of bf16
+    slot_ptr, stride_slot,  # int64 [N]
+    cache_ptr,  # uint8 (fp8 formats), float32 or the int16 view of a bf16/fp16 auto cache
+    stride_page, stride_row,  # kv_cache.stride(0), kv_cache.stride(1) (the latter: auto only)
+    num_slots, page_size, dim,
+    KV_FORMAT: tl.constexpr,  # FORMAT_IDS value
+    KV_IS_BF16: tl.constexpr,
+    STORE_DTYPE: tl.constexpr,  # auto only: _STORE_* code of the cache dtype
+    BLOCK_D: tl.constexpr,  # auto only: dims per step
+):
+    # fp8 formats: the quantised dims come in NUM_TILES tiles of TILE dims (one scale each), padded to
+    # TILES_P2 tiles for the register tile; the 64 bf16 dims follow them.
+    NUM_TILES: tl.constexpr = 4 if KV_FORMAT == 1 else 7
+    TILE: tl.constexpr = 128 if KV_FORMAT == 1 else 64
+    TILES_P2: tl.constexpr = 4 if KV_FORMAT == 1 else 8
+    FP8_DIMS: tl.constexpr = NUM_TILES * TILE
+    ROW_BYTES: tl.constexpr = 656 if KV_FORMAT == 1 else 576  # bytes of a token's data row
+    # One program per token: a record is a few hundred bytes, written once.
+    i = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + i * stride_slot)
+    if (slot >= 0) & (slot < num_slots):
+        page = slot // page_size
+        row = slot - page * page_size
+        page_base = page * stride_page  # int64
+        kv_row = kv_ptr + i * stride_kv_n
+        if KV_FORMAT == 0:
+            for c0 in range(0, dim, BLOCK_D):
+                cols = c0 + tl.arange(0, BLOCK_D)
+                live = cols < dim
+                x = _load_as_f32(kv_row + cols * stride_kv_d, live, KV_IS_BF16)
+                _store_converted(cache_ptr + page_base + row * stride_row + cols, x, live, STORE_DTYPE)
+        else:
+            record = cache_ptr + page_base + row * ROW_BYTES
+            t = tl.arange(0, TILES_P2)
+            cols = t[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [TILES_P2, TILE]
+            in_tile = (t < NUM_TILES)[:, None] & (cols >= 0)
+            x = _load_as_f32(kv_row + cols * stride_kv_d, in_tile, KV_IS_BF16)
+            amax = tl.max(tl.abs(x), axis=1)
+            # div_rn does not broadcast: both operands get the full shape.
+            e4m3_max = tl.full([TILES_P2], 448.0, tl.float32)
+            if KV_FORMAT == 1:
+                scale = tl.maximum(tl.math.div_rn(amax, e4m3_max), 1.1754943508222875e-38)
+                q = _e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [TILES_P2, TILE])))
+                _store_bytes(record + 512, scale.to(tl.int32, bitcast=True), 4, (t < NUM_TILES)[:, None])
+            else:
+                y_bits = tl.math.div_rn(tl.maximum(amax, 1e-4), e4m3_max).to(tl.int32, bitcast=True)
+                e = ((y_bits >> 23) & 0xFF) - 127 + ((y_bits & 0x7FFFFF) != 0).to(tl.int32)
+                inv_scale = (tl.minimum(tl.maximum(127 - e, 1), 254) << 23).to(tl.float32, bitcast=True)
+                q = _e4m3_bits(x * inv_scale[:, None])
+                exps = tl.where(t < NUM_TILES, tl.minimum(tl.maximum(e + 127, 0), 255), 0)  # 8th byte: 0
+                tl.store(cache_ptr + page_base + page_size * 576 + row * 8 + t, exps.to(tl.uint8))
+            tl.store(record + cols, q.to(tl.uint8), mask=in_tile)
+            r = tl.arange(0, 64)
+            rope = _load_as_f32(kv_row + (FP8_DIMS + r) * stride_kv_d, r < 64, KV_IS_BF16)
+            # fp8_656: after the 512 e4m3 bytes and 16 scale bytes; fp8_584: after the 448 e4m3 bytes
+            _store_bytes(record + (528 if KV_FORMAT == 1 else 448), _bf16_bits(rope), 2, (r < 64)[:, None])
+
+
+def _int16_view_of_bf16(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
+
+
+def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
+    n = kv.shape[0]
+    if n == 0:
+        return
+    pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+    dim = kv.shape[1]
+    cache = kv_cache
+    store = _STORE_F32
+    if kv_format == "auto":
+        store = _STORE_CODES[kv_cache.dtype]
+        cache = kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
+    _kv_cache_insert_kernel[(n,)](
+        _int16_view_of_bf16(kv), kv.stride(0), kv.stride(1), slot_mapping, slot_mapping.stride(0),
+        cache, kv_cache.stride(0), kv_cache.stride(1),
+        pages * page_size, page_size, dim,
+        KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16, STORE_DTYPE=store,
+        BLOCK_D=min(triton.next_power_of_2(max(dim, 1)), 1024),
+    )
+
+
+@triton.jit
+def _kv_cache_gather_kernel(
+    cache_ptr, stride_page, stride_row, num_slots, page_size,  # the cache, as _formats.load_kv_cols reads it
+    slots_ptr, stride_slots,  # int32 / int64 [N]
+    out_ptr, stride_out_n, stride_out_d,  # [N, D]: float32, or the int16 view of bf16 / fp16
+    n,
+    DIM: tl.constexpr,  # D
+    CHUNK: tl.constexpr,  # dims per tile
+    KV_FORMAT: tl.constexpr,
+    STORE_DTYPE: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # slots per program
+):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < n
+    slot = tl.load(slots_ptr + rows * stride_slots, mask=live, other=-1).to(tl.int64)
+    valid = live & (slot >= 0) & (slot < num_slots)
+    for c0 in tl.static_range(0, DIM, CHUNK):
+        vals = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, c0, CHUNK, DIM, KV_FORMAT)
+        cols = c0 + tl.arange(0, CHUNK)
+        ptrs = out_ptr + rows[:, None] * stride_out_n + cols[None, :] * stride_out_d
+        _store_converted(ptrs, vals, live[:, None] & (cols < DIM)[None, :], STORE_DTYPE)
+
+
+def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype, out):
+    n = out.shape[0]
+    if n == 0:
+        return
+    dim = cache_dim(kv_cache, kv_format)
+    store = _STORE_CODES[out.dtype]
+    _kv_cache_gather_kernel[(triton.cdiv(n, _GATHER_BLOCK_N),)](
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1],
+        slots, slots.stride(0),
+        out if store == _STORE_F32 else out.view(torch.int16), out.stride(0), out.stride(1),
+        n,
+        DIM=dim, CHUNK=min(64, triton.next_power_of_2(dim)), KV_FORMAT=FORMAT_IDS[kv_format],
+        STORE_DTYPE=store, BLOCK_N=_GATHER_BLOCK_N,
+    )

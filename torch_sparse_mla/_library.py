@@ -134,8 +134,22 @@ def _functional_to_out_args(name: str, args: tuple) -> tuple:
     return args
 
 
+def _full_args(schema, args: tuple) -> tuple:
+    """The positional arguments with the schema's defaults filled in: the dispatcher drops trailing
+    arguments left at their defaults before calling a Python kernel, and the kernels take them all."""
+    params = [a for a in schema.arguments if not a.kwarg_only]
+    if len(args) >= len(params):
+        return args
+    return args + tuple(a.default_value for a in params[len(args):])
+
+
 def _make_functional(name: str, fake, kernels):
+    schema = None
+
     def functional(*args):
+        nonlocal schema
+        schema = schema or getattr(torch.ops.sparse_mla, name).default._schema
+        args = _full_args(schema, args)
         outputs = fake(*args)
         tensors = outputs if isinstance(outputs, tuple) else (outputs,)
         _kernel(kernels, name, args[0].device)(*_functional_to_out_args(name, args), *tensors)
@@ -145,8 +159,13 @@ def _make_functional(name: str, fake, kernels):
     return functional
 
 
-def _make_out(name: str, out_fake, kernels, out_names: tuple[str, ...]):
+def _make_out(name: str, out_fake, kernels, out_names: tuple[str, ...], overload: str):
+    schema = None
+
     def out_overload(*args, **outputs):
+        nonlocal schema
+        schema = schema or getattr(getattr(torch.ops.sparse_mla, name), overload)._schema
+        args = _full_args(schema, args)
         out_fake(*args, **outputs)
         _kernel(kernels, name, args[0].device)(*args, *(outputs[n] for n in out_names))
 
@@ -163,11 +182,11 @@ def _register_all() -> None:
             _lib.impl(name, impl, "CPU")
             _lib.impl(name, impl, "CUDA")
             torch.library.register_fake(f"{NAMESPACE}::{name}", getattr(fakes, name), lib=_lib)
-            out_name, out_fake = f"{name}.out", getattr(fakes, f"{name}_out")
+            out_name, out_fake, overload = f"{name}.out", getattr(fakes, f"{name}_out"), "out"
         else:  # a writing operator with a single (default) overload
-            out_name, out_fake = name, getattr(fakes, name)
+            out_name, out_fake, overload = name, getattr(fakes, name), "default"
         _lib.define(out_name + out_schema)
-        impl = _make_out(name, out_fake, kernels, out_names)
+        impl = _make_out(name, out_fake, kernels, out_names, overload)
         _lib.impl(out_name, impl, "CPU")
         _lib.impl(out_name, impl, "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{out_name}", out_fake, lib=_lib)

@@ -1,0 +1,281 @@
+"""The three KV cache formats of SPEC section 5, decoded in one place.
+
+Shared by every operator that reads a sparse MLA cache (``sparse_mla_decode``, ``kv_cache_gather``):
+
+- ``FORMAT_IDS`` / ``cache_dim`` / ``bytes_per_token`` / ``check_kv_cache``: host-side facts and the
+  metadata-only layout checks of a cache tensor;
+- ``dequantize_torch``: vectorised PyTorch, float32 rows of any slots (the CPU kernels);
+- ``load_kv_tile`` (Triton): a ``[BLOCK_N, CHUNK]`` float32 tile of dequantised values, decoded in
+  registers (no dequantised copy of the cache ever exists in memory).
+
+Layouts (bytes of one token or page; ``stride(0)`` is the page stride and may include padding):
+
+- ``auto``: ``[pages, page_size, D]`` of bf16/fp16, row ``r`` of page ``p`` at element
+  ``p * stride(0) + r * stride(1)``;
+- ``fp8_656`` (D = 576): per token, 656 contiguous bytes at ``p * stride(0) + r * 656``: dims 0-511 as
+  e4m3, 4 float32 scales (scale ``j`` covers dims ``128j..128j+127``), dims 512-575 as bf16;
+- ``fp8_584`` (D = 512): per page, ``page_size`` data rows of 576 bytes (dims 0-447 as e4m3, then
+  dims 448-511 as bf16) followed by ``page_size`` scale rows of 8 bytes (7 UE8M0 exponents, exponent
+  ``j`` covering dims ``64j..64j+63``, value ``2 ** (byte - 127)``). ``stride(1)`` is not used.
+
+The Triton side reads the fp8 formats byte by byte and assembles float32 scales and bf16 values from
+their bytes (little-endian), so it needs no alignment beyond one byte: a page stride that is not a
+multiple of 4 (odd padding) is still read correctly. bf16 -> float32 is a shift; UE8M0 -> float32
+writes the exponent field directly (byte 0 is the subnormal ``2**-127``, byte 255 is ``inf``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from torch_sparse_mla.meta_kernels._common import check_tensor, expect
+from torch_sparse_mla.ops._triton import tl, triton
+
+FORMAT_IDS = {"auto": 0, "fp8_656": 1, "fp8_584": 2}  # value of the KV_FORMAT constexpr
+_FP8_DIM = {"fp8_656": 576, "fp8_584": 512}
+_TOKEN_BYTES = {"fp8_656": 656, "fp8_584": 584}
+AUTO_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def check_format(kv_format) -> int:
+    """The ``KV_FORMAT`` id of a format name; ``ValueError`` for anything else."""
+    if kv_format not in FORMAT_IDS:
+        raise ValueError(f"kv_format: expected one of {', '.join(map(repr, FORMAT_IDS))}, got {kv_format!r}")
+    return FORMAT_IDS[kv_format]
+
+
+def cache_dim(kv_cache: torch.Tensor, kv_format: str):
+    """``D``, the number of dequantised values per slot (``shape[-1]`` for ``auto``)."""
+    return kv_cache.shape[-1] if kv_format == "auto" else _FP8_DIM[kv_format]
+
+
+def bytes_per_token(kv_cache: torch.Tensor, kv_format: str):
+    """Bytes of one slot (data and scales), as counted by the SPEC's table."""
+    if kv_format == "auto":
+        return kv_cache.shape[-1] * kv_cache.element_size()
+    return _TOKEN_BYTES[kv_format]
+
+
+def check_kv_cache(name: str, kv_cache, kv_format: str, *, device=None, dtype=None) -> None:
+    """Layout checks of a paged cache, from metadata only.
+
+    ``auto``: a 3-D tensor of ``dtype`` (bf16/fp16 when not given); fp8 formats: uint8
+    ``[pages, page_size, 656 | 584]``. Every format: ``stride(-1) == 1``; ``fp8_656``: ``stride(1) ==
+    656``; ``auto``: ``stride(1) >= D``; pages must not overlap (``stride(0) >= page_size * D`` for
+    ``auto``, ``page_size * 656 | 584`` bytes otherwise, when there is more than one page).
+    """
+    check_format(kv_format)
+    if kv_format == "auto":
+        check_tensor(name, kv_cache, dtypes=(dtype,) if dtype is not None else AUTO_DTYPES, ndim=3, device=device)
+        expect(kv_cache.shape[-1] >= 1, lambda: f"{name}: expected shape[-1] >= 1, got shape {tuple(kv_cache.shape)}")
+    else:
+        check_tensor(name, kv_cache, dtypes=(torch.uint8,), ndim=3, device=device)
+        width = _TOKEN_BYTES[kv_format]
+        expect(kv_cache.shape[-1] == width,
+               lambda: f"{name}: expected shape[-1] == {width} (bytes per token of {kv_format}), "
+                       f"got shape {tuple(kv_cache.shape)}")
+    pages, page_size, dim = kv_cache.shape
+    stride_page, stride_row, stride_col = kv_cache.stride()
+    expect((dim <= 1) | (stride_col == 1),
+           lambda: f"{name}: expected stride(-1) == 1, got strides {tuple(kv_cache.stride())}")
+    if kv_format == "fp8_656":
+        expect((page_size <= 1) | (stride_row == 656),
+               lambda: f"{name}: expected stride(1) == 656 for fp8_656, got strides {tuple(kv_cache.stride())}")
+        row = 656
+    elif kv_format == "fp8_584":
+        row = 584
+    else:
+        expect((page_size <= 1) | (stride_row >= dim),
+               lambda: f"{name}: expected stride(1) >= shape[-1] ({dim}), got strides {tuple(kv_cache.stride())}")
+        row = dim
+    expect((pages <= 1) | (stride_page >= page_size * row),
+           lambda: f"{name}: expected stride(0) >= page_size * {row} (pages must not overlap), "
+                   f"got shape {tuple(kv_cache.shape)} and strides {tuple(kv_cache.stride())}")
+
+
+# =====================================================================================================
+# PyTorch
+# =====================================================================================================
+
+
+def _page_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """``[pages, page_size * bytes_per_token]`` uint8 view of the pages (``fp8_584`` ignores stride(1))."""
+    pages, page_size, width = kv_cache.shape
+    return torch.as_strided(kv_cache, (pages, page_size * width), (kv_cache.stride(0), 1),
+                            kv_cache.storage_offset())
+
+
+def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str) -> torch.Tensor:
+    """float32 ``[*slots.shape, D]``: the dequantised vectors of ``slots`` (int32/int64, any shape).
+
+    Rows of invalid slots (``< 0`` or ``>= pages * page_size``) are exactly 0; nothing out of range is
+    read (invalid slots gather slot 0, whose values are then dropped by a select, so NaN bytes there
+    never leak).
+    """
+    pages, page_size, _ = kv_cache.shape
+    dim = cache_dim(kv_cache, kv_format)
+    num_slots = pages * page_size
+    slots = slots.to(torch.int64)
+    valid = (slots >= 0) & (slots < num_slots)
+    if num_slots == 0 or slots.numel() == 0:
+        return torch.zeros((*slots.shape, dim), dtype=torch.float32, device=kv_cache.device)
+    safe = torch.where(valid, slots, 0).reshape(-1)
+    page, row = safe // page_size, safe % page_size
+    if kv_format == "auto":
+        vals = kv_cache[page, row].to(torch.float32)
+    elif kv_format == "fp8_656":
+        raw = kv_cache[page, row]  # [N, 656]
+        fp8 = raw[:, :512].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        scales = raw[:, 512:528].contiguous().view(torch.float32)  # [N, 4]
+        rope = raw[:, 528:656].contiguous().view(torch.bfloat16).to(torch.float32)
+        vals = torch.cat([(fp8.view(-1, 4, 128) * scales[:, :, None]).view(-1, 512), rope], dim=1)
+    else:
+        flat = _page_bytes(kv_cache)
+        data_cols = torch.arange(576, device=slots.device)
+        raw = flat[page[:, None], row[:, None] * 576 + data_cols]  # [N, 576]
+        exp_cols = torch.arange(7, device=slots.device)
+        exps = flat[page[:, None], page_size * 576 + row[:, None] * 8 + exp_cols].to(torch.int32)  # [N, 7]
+        scales = torch.where(exps > 0, exps << 23, 0x400000).view(torch.float32)  # 2 ** (byte - 127)
+        fp8 = raw[:, :448].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
+        rope = raw[:, 448:576].contiguous().view(torch.bfloat16).to(torch.float32)
+        vals = torch.cat([(fp8.view(-1, 7, 64) * scales[:, :, None]).view(-1, 448), rope], dim=1)
+    vals = torch.where(valid.reshape(-1, 1), vals, 0.0)
+    return vals.view(*slots.shape, dim)
+
+
+# =====================================================================================================
+# Triton
+# =====================================================================================================
+
+
+@triton.jit
+def _load_f32_le(ptr, mask):
+    """float32 from 4 little-endian bytes at ``ptr`` (uint8 pointers, any alignment); 0 where masked."""
+    b0 = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+    b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.int32)
+    b3 = tl.load(ptr + 3, mask=mask, other=0).to(tl.int32)
+    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_bf16_le(ptr, mask):
+    """float32 of a bf16 stored as 2 little-endian bytes at ``ptr`` (exact); 0 where masked."""
+    lo = tl.load(ptr, mask=mask, other=0).to(tl.int32)
+    hi = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
+    return ((hi << 24) | (lo << 16)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _ue8m0_to_f32(e):
+    """``2 ** (e - 127)`` for an int32 byte value ``e``, written straight into the exponent field."""
+    return tl.where(e > 0, e << 23, 0x400000).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def load_kv_cols(
+    cache_ptr,  # the cache: uint8 for the fp8 formats, bf16/fp16 for auto
+    stride_page,  # kv_cache.stride(0), in elements (bytes for uint8)
+    stride_row,  # kv_cache.stride(1): used by auto only
+    page_size,  # kv_cache.shape[1]
+    slots,  # int64 [BLOCK_N] slot ids
+    valid,  # bool [BLOCK_N]: rows to load; the caller checked 0 <= slot < pages * page_size
+    COL0: tl.constexpr,  # first dim of the tile
+    CHUNK: tl.constexpr,  # dims in the tile (a power of two)
+    COL_END: tl.constexpr,  # dims >= COL_END are 0 and not read (COL_END <= D)
+    KV_FORMAT: tl.constexpr,  # FORMAT_IDS value
+):
+    """float32 ``[BLOCK_N, CHUNK]``: dims ``COL0 + j`` of each slot, 0 for invalid rows and for dims
+    ``>= COL_END``. ``load_kv_tile`` is this with ``COL_END`` = the format's D."""
+    cols = COL0 + tl.arange(0, CHUNK)
+    slot = tl.where(valid, slots, 0).to(tl.int64)
+    page = slot // page_size
+    row = slot - page * page_size
+    page_base = page * stride_page  # int64: pages * page stride passes 2**31 in a large cache
+    mask = valid[:, None] & (cols < COL_END)[None, :]
+    if KV_FORMAT == 0:
+        ptrs = cache_ptr + (page_base + row * stride_row)[:, None] + cols[None, :]
+        vals = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    else:
+        if KV_FORMAT == 1:
+            FP8_DIMS: tl.constexpr = 512
+            GROUP: tl.constexpr = 128  # dims per scale
+            data_base = page_base + row * 656
+            bf16_base = data_base + 528
+        else:
+            FP8_DIMS: tl.constexpr = 448
+            GROUP: tl.constexpr = 64
+            data_base = page_base + row * 576
+            bf16_base = data_base + 448
+            scale_base = page_base + page_size * 576 + row * 8
+        BLOCK_N: tl.constexpr = slots.shape[0]
+        vals = tl.zeros([BLOCK_N, CHUNK], dtype=tl.float32)
+        if COL0 < FP8_DIMS:
+            fp8_mask = mask & (cols < FP8_DIMS)[None, :]
+            raw = tl.load(cache_ptr + data_base[:, None] + cols[None, :], mask=fp8_mask, other=0)
+            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            # One scale per row for each group the tile covers, broadcast by a select per group:
+            # cheaper than gathering a scale per element.
+            FP8_END: tl.constexpr = FP8_DIMS if COL0 + CHUNK > FP8_DIMS else COL0 + CHUNK
+            scale = vals
+            for g in tl.static_range(COL0 // GROUP, (FP8_END + GROUP - 1) // GROUP):
+                if KV_FORMAT == 1:
+                    s_g = _load_f32_le(cache_ptr + data_base + 512 + 4 * g, valid)
+                else:
+                    s_g = _ue8m0_to_f32(tl.load(cache_ptr + scale_base + g, mask=valid, other=0).to(tl.int32))
+                scale = tl.where((cols // GROUP == g)[None, :], s_g[:, None], scale)
+            vals = tl.where(fp8_mask, x * scale, vals)
+        if COL0 + CHUNK > FP8_DIMS:
+            bf16_mask = mask & (cols >= FP8_DIMS)[None, :]
+            offs = bf16_base[:, None] + 2 * (cols - FP8_DIMS)[None, :]
+            vals = tl.where(bf16_mask, _load_bf16_le(cache_ptr + offs, bf16_mask), vals)
+    return vals
+
+
+@triton.jit
+def load_kv_tile(
+    cache_ptr,  # the cache tensor (uint8 for fp8 formats; bf16/fp16 for auto)
+    stride_page,  # kv_cache.stride(0), elements (= bytes for uint8)
+    stride_row,  # kv_cache.stride(1) (used by auto only)
+    page_size,  # kv_cache.shape[1]
+    slots,  # int64 [BLOCK_N] slot ids
+    valid,  # bool [BLOCK_N] rows to load; the caller checked 0 <= slot < pages * page_size
+    COL0: tl.constexpr,
+    CHUNK: tl.constexpr,  # dims [COL0, COL0 + CHUNK), CHUNK a power of two
+    KV_FORMAT: tl.constexpr,
+):
+    """float32 ``[BLOCK_N, CHUNK]`` of dequantised values; 0 for rows where ``valid`` is False.
+
+    fp8 formats: dims past D (576 / 512) are 0 and not read. ``auto``: the caller keeps
+    ``COL0 + CHUNK <= D`` (D is not known here); use ``load_kv_cols`` for a ragged last piece.
+    """
+    if KV_FORMAT == 1:
+        END: tl.constexpr = 576
+    elif KV_FORMAT == 2:
+        END: tl.constexpr = 512
+    else:
+        END: tl.constexpr = COL0 + CHUNK
+    return load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slots, valid, COL0, CHUNK, END, KV_FORMAT)
+
+
+@triton.jit
+def load_fp8_656_group(
+    cache_ptr,  # uint8 fp8_656 cache
+    stride_page,  # kv_cache.stride(0), bytes
+    page_size,  # kv_cache.shape[1]
+    slots,  # int64 [BLOCK_N]
+    valid,  # bool [BLOCK_N]: rows to load (0 <= slot < pages * page_size checked by the caller)
+    GROUP: tl.constexpr,  # scale group 0..3: dims [128 * GROUP, 128 * GROUP + 128)
+):
+    """``(raw, scale)``: the e4m3 values of one scale group as float32 ``[BLOCK_N, 128]`` (not scaled)
+    and the group's float32 scale ``[BLOCK_N]``; 0 for invalid rows. ``raw * scale[:, None]`` is the
+    dequantised tile; keeping them apart lets a caller run exact products on the raw values (e4m3 is
+    exact in bf16 and fp16) and apply the scale afterwards in float32."""
+    cols = GROUP * 128 + tl.arange(0, 128)
+    slot = tl.where(valid, slots, 0).to(tl.int64)
+    page = slot // page_size
+    row_base = page * stride_page + (slot - page * page_size) * 656
+    raw = tl.load(cache_ptr + row_base[:, None] + cols[None, :], mask=valid[:, None], other=0)
+    scale = _load_f32_le(cache_ptr + row_base + 512 + 4 * GROUP, valid)
+    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32), scale
+

@@ -1,0 +1,498 @@
+"""KV cache operators (SPEC section 5): kv_cache_insert and kv_cache_gather in the three formats.
+
+Sections: schema snapshot, reference parity, Triton interpreter parity, opcheck, compile, errors, GPU.
+The reference is tests/formats_reference.py (one token at a time, bytes laid out by the SPEC's table).
+Every insert test compares the cache's whole storage, page padding included, with the reference's.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import formats_reference as ref
+import torch_sparse_mla as tsm
+from common import assert_no_recompiles, poison, requires_cuda, requires_interpreter
+from torch_sparse_mla.ops import kv_cache as kernels
+
+ops = torch.ops.sparse_mla
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+FLOATS = {"bf16": BF16, "fp16": F16, "fp32": F32}
+FMT_DIM = {"auto": 576, "fp8_656": 576, "fp8_584": 512}
+# (page_size, page_pad): DeepSeek-like pages; an odd page size with an odd padding of every page
+LAYOUTS = {"ps64": (64, 0), "ps3-pad7": (3, 7)}
+NUM_PAGES = 4
+
+
+# =====================================================================================================
+# Inputs and reference helpers
+# =====================================================================================================
+
+
+def make_kv(n: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``[n, dim]`` values whose 64-dim groups span seven decades (large dynamic range inside a
+    vector), plus an all-zero 128-dim tile (row 1), an all-zero row (row 2), a -0.0, and the amax 636
+    whose ``x / scale`` rounds to 448.00003 in fp8_656 (row 0, column 0)."""
+    g = torch.Generator().manual_seed(seed)
+    groups = -(-dim // 64)
+    decades = torch.empty(n, groups).uniform_(-3.5, 3.5, generator=g)
+    x = torch.randn(n, dim, generator=g) * torch.pow(10.0, decades).repeat_interleave(64, dim=1)[:, :dim]
+    if n > 0:
+        x[0, :128] = x[0, :128].clamp(-600, 600)
+        x[0, 0] = 636.0
+    if n > 1:
+        x[1, :128] = 0.0
+        x[1, 130] = -0.0
+    if n > 2:
+        x[2] = 0.0
+    return x.to(dtype)
+
+
+def make_slots(num_slots: int, n_valid: int, seed: int) -> torch.Tensor:
+    """int64 slots: ``n_valid`` distinct valid ones (first and last slot included when possible) and
+    every kind of empty entry (-1, other negatives, == num_slots, far past the end), shuffled."""
+    rng = random.Random(seed)
+    ends = [0, num_slots - 1][:n_valid]
+    valid = ends + rng.sample(range(1, num_slots - 1), n_valid - len(ends))
+    empty = [-1, -7, -(2**31), num_slots, num_slots + 5, 2**31 - 1]  # int32-safe: gather takes them too
+    slots = valid + empty
+    rng.shuffle(slots)
+    return torch.tensor(slots, dtype=torch.int64)
+
+
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """Every byte of ``t``'s storage (page padding and other tokens included), on the CPU."""
+    return torch.empty(0, dtype=torch.uint8, device=t.device).set_(t.untyped_storage()).cpu().clone()
+
+
+def naive_insert(cache: torch.Tensor, kv: torch.Tensor, slots: torch.Tensor, kv_format: str) -> None:
+    num_slots = cache.shape[0] * cache.shape[1]
+    for s, x in zip(slots.tolist(), kv):
+        if 0 <= s < num_slots:
+            ref.write_slot(cache, s, x, kv_format)
+
+
+def naive_gather(cache: torch.Tensor, slots: torch.Tensor, kv_format: str, dtype: torch.dtype) -> torch.Tensor:
+    """The dequantised float64 rows rounded once through float32 (exact: every dequantised value is
+    a float32 product computed exactly) to ``dtype``; zero rows for empty slots."""
+    num_slots = cache.shape[0] * cache.shape[1]
+    dim = FMT_DIM[kv_format] if kv_format != "auto" else cache.shape[2]
+    rows = [ref.read_slot(cache, s, kv_format) if 0 <= s < num_slots else torch.zeros(dim, dtype=torch.float64)
+            for s in slots.tolist()]
+    out = torch.stack(rows) if rows else torch.zeros(0, dim, dtype=torch.float64)
+    return out.to(torch.float32).to(dtype)
+
+
+def cache_for(kv_format: str, layout: str, *, dim: int = 576, dtype=BF16, device="cpu"):
+    page_size, pad = LAYOUTS[layout]
+    return ref.make_cache(NUM_PAGES, page_size, kv_format, dim=dim, dtype=dtype, page_pad=pad, device=device)
+
+
+def assert_same_bytes(got: torch.Tensor, want: torch.Tensor) -> None:
+    a, b = raw_bytes(got), raw_bytes(want)
+    assert a.shape == b.shape
+    diff = (a != b).nonzero().flatten()
+    assert diff.numel() == 0, f"{diff.numel()} bytes differ, first at storage byte {diff[:8].tolist()}"
+
+
+# =====================================================================================================
+# Schema snapshot
+# =====================================================================================================
+
+
+def test_schemas():
+    assert_expected_inline(str(ops.kv_cache_insert.default._schema), """\
+sparse_mla::kv_cache_insert(Tensor kv, Tensor slot_mapping, Tensor(a!) kv_cache, str kv_format) -> ()""")
+    assert_expected_inline(str(ops.kv_cache_gather.default._schema), """\
+sparse_mla::kv_cache_gather(Tensor kv_cache, Tensor slots, str kv_format, ScalarType? dtype=None) -> Tensor""")
+    assert_expected_inline(str(ops.kv_cache_gather.out._schema), """\
+sparse_mla::kv_cache_gather.out(Tensor kv_cache, Tensor slots, str kv_format, ScalarType? dtype=None, *, Tensor(a!) out) -> ()""")
+
+
+# =====================================================================================================
+# Reference parity (CPU kernels through the registered operators)
+# =====================================================================================================
+
+
+@pytest.mark.parametrize("kv_dtype", list(FLOATS), ids=lambda d: f"kv_{d}")
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_insert_matches_reference(kv_format, layout, kv_dtype):
+    cache, want = cache_for(kv_format, layout), cache_for(kv_format, layout)
+    num_slots = cache.shape[0] * cache.shape[1]
+    slots = torch.cat([make_slots(num_slots, min(9, num_slots), seed=len(layout)), torch.tensor([2**40])])
+    kv = make_kv(slots.shape[0], FMT_DIM[kv_format], FLOATS[kv_dtype], seed=3)
+    tsm.kv_cache_insert(kv, slots, cache, kv_format=kv_format)
+    naive_insert(want, kv, slots, kv_format)
+    assert_same_bytes(cache, want)
+
+
+@pytest.mark.parametrize("cache_dtype", list(FLOATS), ids=lambda d: f"cache_{d}")
+@pytest.mark.parametrize("kv_dtype", list(FLOATS), ids=lambda d: f"kv_{d}")
+def test_insert_auto_any_dim_and_dtype(kv_dtype, cache_dtype):
+    # D = 100 (not a power of two), strided kv (every other column of a wider tensor)
+    cache = cache_for("auto", "ps3-pad7", dim=100, dtype=FLOATS[cache_dtype])
+    want = cache_for("auto", "ps3-pad7", dim=100, dtype=FLOATS[cache_dtype])
+    slots = make_slots(12, 8, seed=1)
+    kv = make_kv(slots.shape[0], 200, FLOATS[kv_dtype], seed=4)[:, ::2]
+    tsm.kv_cache_insert(kv, slots, cache, kv_format="auto")
+    naive_insert(want, kv, slots, "auto")
+    assert_same_bytes(cache, want)
+
+
+def test_insert_quantisation_edges():
+    """The scales the SPEC fixes for degenerate tiles, and saturation at 448 instead of NaN."""
+    kv = make_kv(3, 576, F32, seed=0)
+    c656 = ref.make_cache(1, 3, "fp8_656")
+    tsm.kv_cache_insert(kv, torch.arange(3), c656, kv_format="fp8_656")
+    fp32_min_bytes = torch.tensor([2.0**-126], dtype=F32).view(torch.uint8)
+    assert torch.equal(c656[0, 1, 512:516], fp32_min_bytes)  # tile 0 of row 1 is all zero
+    assert torch.equal(c656[0, 2, 512:528], fp32_min_bytes.repeat(4))  # all-zero row
+    assert c656[0, 0, 0].item() == 0x7E  # 636 / (636 / 448) = 448.00003 -> 448, not NaN
+    assert not ((c656[:, :, :512] & 0x7F) == 0x7F).any()  # no e4m3 NaN anywhere
+    assert c656[0, 1, 130].item() == 0x80  # -0.0 keeps its sign
+
+    kv = make_kv(3, 512, F32, seed=0)
+    kv[0, 64:128] = 448.0 * 2.0**-5  # amax / 448 is a power of two: e = -5 exactly, no rounding up
+    kv[0, 128:192] = 1e30  # a huge tile: e = ceil(log2(1e30 / 448)) = 91
+    c584 = ref.make_cache(1, 3, "fp8_584")
+    tsm.kv_cache_insert(kv, torch.arange(3), c584, kv_format="fp8_584")
+    scale_rows = c584.flatten()[3 * 576 : 3 * 584].view(3, 8)
+    assert scale_rows[:, 7].tolist() == [0, 0, 0]  # the 8th byte of every scale row
+    assert scale_rows[2, :7].tolist() == [127 - 22] * 7  # amax 0 -> ceil(log2(1e-4 / 448)) = -22
+    assert scale_rows[0, 1].item() == 127 - 5
+    assert scale_rows[0, 2].item() == 127 + 91
+    assert not ((c584.flatten()[:3 * 576].view(3, 576)[:, :448] & 0x7F) == 0x7F).any()
+
+
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_insert_nothing_to_write(kv_format):
+    cache = cache_for(kv_format, "ps3-pad7")
+    before = raw_bytes(cache)
+    dim = FMT_DIM[kv_format]
+    tsm.kv_cache_insert(torch.empty(0, dim, dtype=BF16), torch.empty(0, dtype=torch.int64), cache, kv_format=kv_format)
+    tsm.kv_cache_insert(make_kv(4, dim, BF16, 0), torch.tensor([-1, 12, 2**40, -(2**62)]), cache, kv_format=kv_format)
+    assert torch.equal(raw_bytes(cache), before)
+
+
+@pytest.mark.parametrize("dtype", [None, BF16, F16, F32], ids=lambda d: str(d).replace("torch.", ""))
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64], ids=["slots_i32", "slots_i64"])
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_gather_matches_reference(kv_format, slot_dtype, dtype):
+    # a NaN-poisoned cache in which only the requested slots were written
+    cache = cache_for(kv_format, "ps3-pad7")
+    written = torch.tensor([0, 4, 5, 11])
+    ref.fill_cache(cache, written, make_kv(4, FMT_DIM[kv_format], F32, seed=5), kv_format)
+    slots = torch.tensor([5, -1, 11, 12, 0, 4, 5, -100, 2**31 - 1], dtype=slot_dtype)
+    want = naive_gather(cache, slots, kv_format, BF16 if dtype is None else dtype)
+    got = tsm.kv_cache_gather(cache, slots, kv_format=kv_format, dtype=dtype)
+    assert got.dtype == want.dtype and torch.equal(got, want)
+    # the out overload, into a strided buffer (a column window of a wider one)
+    wide = poison(torch.empty(slots.shape[0], FMT_DIM[kv_format] + 9, dtype=want.dtype))
+    out = wide[:, 3 : 3 + FMT_DIM[kv_format]]
+    assert tsm.kv_cache_gather(cache, slots, kv_format=kv_format, dtype=dtype, out=out) is out
+    assert torch.equal(out, want)
+    assert wide[:, :3].isnan().all() and wide[:, 3 + FMT_DIM[kv_format]:].isnan().all()
+
+
+def test_gather_empty():
+    cache = cache_for("fp8_584", "ps64")
+    assert tsm.kv_cache_gather(cache, torch.empty(0, dtype=torch.int32), kv_format="fp8_584").shape == (0, 512)
+    out = torch.empty(0, 512, dtype=F16)
+    tsm.kv_cache_gather(cache, torch.empty(0, dtype=torch.int64), kv_format="fp8_584", out=out)
+
+
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_round_trip_within_e4m3_precision(kv_format):
+    cache = cache_for(kv_format, "ps64")
+    slots = make_slots(cache.shape[0] * cache.shape[1], 40, seed=2)
+    kv = make_kv(slots.shape[0], FMT_DIM[kv_format], F32, seed=7)
+    tsm.kv_cache_insert(kv, slots, cache, kv_format=kv_format)
+    got = tsm.kv_cache_gather(cache, slots, kv_format=kv_format, dtype=F32)
+    valid = (slots >= 0) & (slots < cache.shape[0] * cache.shape[1])
+    assert (got[~valid] == 0).all()
+    x, y = kv[valid].double(), got[valid].double()
+    if kv_format == "auto":
+        assert torch.equal(y, x.to(BF16).double())
+        return
+    quantised, tile = (512, 128) if kv_format == "fp8_656" else (448, 64)
+    amax = x[:, :quantised].abs().view(-1, quantised // tile, tile).amax(-1).repeat_interleave(tile, dim=1)
+    # half an e4m3 ulp (2**-4 relative) of the value, or half the smallest subnormal step of the tile
+    # (2**-10 of the scale; the fp8_584 power-of-two scale is < 2 * amax / 448)
+    bound = torch.maximum(x[:, :quantised].abs() * 2.0**-4, amax / 448 * 2 * 2.0**-10)
+    assert ((y[:, :quantised] - x[:, :quantised]).abs() <= bound).all()
+    torch.testing.assert_close(y[:, quantised:], x[:, quantised:], rtol=2.0**-8, atol=0)
+
+
+# =====================================================================================================
+# Triton interpreter parity (the CUDA kernels, run on CPU tensors)
+# =====================================================================================================
+
+INTERPRETER_INSERT_CASES = {
+    # name: (kv_format, layout, kv dtype, auto cache dtype)
+    "fp8_656-ps64-kv_bf16": ("fp8_656", "ps64", BF16, None),
+    "fp8_656-ps3-pad7-kv_fp32": ("fp8_656", "ps3-pad7", F32, None),
+    "fp8_584-ps64-kv_fp32": ("fp8_584", "ps64", F32, None),
+    "fp8_584-ps3-pad7-kv_fp16": ("fp8_584", "ps3-pad7", F16, None),
+    "fp8_584-ps3-pad7-kv_bf16": ("fp8_584", "ps3-pad7", BF16, None),
+    "auto-kv_fp32-cache_bf16": ("auto", "ps3-pad7", F32, BF16),
+    "auto-kv_fp32-cache_fp16": ("auto", "ps3-pad7", F32, F16),
+    "auto-kv_bf16-cache_fp32": ("auto", "ps64", BF16, F32),
+    "auto-kv_fp16-cache_bf16": ("auto", "ps64", F16, BF16),
+}
+
+
+@requires_interpreter
+@pytest.mark.parametrize("case", list(INTERPRETER_INSERT_CASES))
+def test_interpreter_insert(case):
+    kv_format, layout, kv_dtype, cache_dtype = INTERPRETER_INSERT_CASES[case]
+    dim = FMT_DIM[kv_format]
+    cache = cache_for(kv_format, layout, dtype=cache_dtype)
+    want = cache_for(kv_format, layout, dtype=cache_dtype)
+    num_slots = cache.shape[0] * cache.shape[1]
+    slots = torch.cat([make_slots(num_slots, 8, seed=11), torch.tensor([2**40, -(2**62)])])
+    kv = make_kv(slots.shape[0], 2 * dim, kv_dtype, seed=12)[:, 1::2]  # strided: stride(1) == 2
+    kernels.kv_cache_insert_triton(kv, slots, cache, kv_format)
+    kernels.kv_cache_insert_torch(kv, slots, want, kv_format)
+    assert_same_bytes(cache, want)
+    naive_insert(want, kv, slots, kv_format)  # and the torch kernel agrees with the reference here too
+    assert_same_bytes(cache, want)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["out_bf16", "out_fp16", "out_fp32"])
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_interpreter_gather(kv_format, dtype):
+    cache = cache_for(kv_format, "ps3-pad7", dtype=F16 if kv_format == "auto" else BF16)
+    written = torch.tensor([0, 3, 4, 11, 9])
+    ref.fill_cache(cache, written, make_kv(5, FMT_DIM[kv_format], F32, seed=13), kv_format)
+    for slot_dtype in (torch.int32, torch.int64):
+        slots = torch.tensor([4, -1, 11, 9, 12, 0, 3, 2**31 - 1, 4, -3, 11, 0, 9, 3, 3, 4, 0, 11, -1],
+                             dtype=slot_dtype)  # 19 rows: two programs, the second partial
+        want = naive_gather(cache, slots, kv_format, dtype)
+        got = poison(torch.empty(slots.shape[0], FMT_DIM[kv_format], dtype=dtype))
+        kernels.kv_cache_gather_triton(cache, slots, kv_format, dtype, got)
+        assert torch.equal(got, want)
+        wide = poison(torch.empty(FMT_DIM[kv_format] + 5, slots.shape[0], dtype=dtype))
+        kernels.kv_cache_gather_triton(cache, slots, kv_format, dtype, wide[2 : 2 + FMT_DIM[kv_format]].T)
+        assert torch.equal(wide[2 : 2 + FMT_DIM[kv_format]].T, want)
+        assert wide[:2].isnan().all() and wide[2 + FMT_DIM[kv_format]:].isnan().all()
+
+
+# =====================================================================================================
+# opcheck
+# =====================================================================================================
+
+
+def opcheck_cases():
+    for kv_format in ref.FORMATS:
+        dim = FMT_DIM[kv_format]
+        cache = torch.zeros_like(cache_for(kv_format, "ps3-pad7"))  # no NaN: opcheck compares caches
+        num_slots = cache.shape[0] * cache.shape[1]
+        kernels.kv_cache_insert_torch(make_kv(num_slots, dim, F32, 20), torch.arange(num_slots), cache, kv_format)
+        slots = make_slots(num_slots, 6, seed=21)
+        yield f"insert-{kv_format}", ops.kv_cache_insert.default, (
+            make_kv(slots.shape[0], dim, BF16, 22), slots, cache.clone(), kv_format), {}
+        yield f"gather-{kv_format}", ops.kv_cache_gather.default, (cache, slots.int(), kv_format), {}
+        yield f"gather.out-{kv_format}", ops.kv_cache_gather.out, (cache, slots, kv_format, F32), {
+            "out": torch.empty(slots.shape[0], dim, dtype=F32)}
+
+
+@pytest.mark.parametrize("case", list(opcheck_cases()), ids=lambda c: c[0])
+def test_opcheck(case):
+    _, op, args, kwargs = case
+    torch.library.opcheck(op, args, kwargs)
+
+
+# =====================================================================================================
+# torch.compile: one graph, no graph breaks, no recompiles across batch sizes
+# =====================================================================================================
+
+
+def cache_step(kv576, kv512, slots, read_slots, cache_auto, cache_656, cache_584):
+    """Insert a batch into one cache of each format, then read some slots back."""
+    outs = []
+    for kv_format, kv, cache in (("auto", kv576, cache_auto), ("fp8_656", kv576, cache_656),
+                                 ("fp8_584", kv512, cache_584)):
+        tsm.kv_cache_insert(kv, slots, cache, kv_format=kv_format)
+        outs.append(tsm.kv_cache_gather(cache, read_slots, kv_format=kv_format, dtype=F32))
+    return outs
+
+
+def step_args(n: int, seed: int):
+    caches = [cache_for(f, "ps3-pad7") for f in ref.FORMATS]
+    slots = make_slots(12, n, seed)
+    read_slots = slots.flip(0).to(torch.int32)  # the slots just written, and the empty ones
+    return (make_kv(slots.shape[0], 576, BF16, seed), make_kv(slots.shape[0], 512, BF16, seed), slots, read_slots,
+            *caches)
+
+
+def check_step(args, outs):
+    kv576, kv512, slots, read_slots, *caches = args
+    for kv_format, kv, cache, out in zip(ref.FORMATS, (kv576, kv576, kv512), caches, outs):
+        want = cache_for(kv_format, "ps3-pad7")
+        naive_insert(want, kv, slots, kv_format)
+        assert_same_bytes(cache, want)
+        assert torch.equal(out, naive_gather(want, read_slots, kv_format, F32))
+
+
+def test_compile_no_recompiles():
+    assert_no_recompiles(cache_step, [step_args(n, seed=n) for n in (2, 6, 10)], check_step)
+
+
+# =====================================================================================================
+# Errors: checked on metadata, ValueError naming the argument
+# =====================================================================================================
+
+
+def test_errors():
+    kv = torch.zeros(4, 576, dtype=BF16)
+    slots = torch.zeros(4, dtype=torch.int64)
+    c656 = cache_for("fp8_656", "ps64")
+    c584 = cache_for("fp8_584", "ps64")
+    with pytest.raises(ValueError, match=r"kv_format: expected one of 'auto', 'fp8_656', 'fp8_584', got 'fp8'"):
+        tsm.kv_cache_insert(kv, slots, c656, kv_format="fp8")
+    with pytest.raises(ValueError, match=r"kv: expected dtype bfloat16 or float16 or float32, got int32"):
+        tsm.kv_cache_insert(kv.int(), slots, c656, kv_format="fp8_656")
+    with pytest.raises(ValueError, match=r"kv: expected shape\[1\] == the cache's latent dimension D \(512\)"):
+        tsm.kv_cache_insert(kv, slots, c584, kv_format="fp8_584")
+    with pytest.raises(ValueError, match=r"slot_mapping: expected dtype int64, got int32"):
+        tsm.kv_cache_insert(kv, slots.int(), c656, kv_format="fp8_656")
+    with pytest.raises(ValueError, match=r"slot_mapping: expected shape\[0\] == kv.shape\[0\] \(4\), got shape \(3,\)"):
+        tsm.kv_cache_insert(kv, slots[:3], c656, kv_format="fp8_656")
+    with pytest.raises(ValueError, match=r"kv_cache: expected dtype uint8, got bfloat16"):
+        tsm.kv_cache_insert(kv, slots, torch.zeros(2, 4, 656, dtype=BF16), kv_format="fp8_656")
+    with pytest.raises(ValueError, match=r"kv_cache: expected shape\[-1\] == 656"):
+        tsm.kv_cache_insert(kv, slots, c584, kv_format="fp8_656")
+    with pytest.raises(ValueError, match=r"kv_cache: expected stride\(1\) == 656 for fp8_656"):
+        tsm.kv_cache_insert(kv, slots, torch.zeros(2, 4, 700, dtype=torch.uint8)[:, :, :656], kv_format="fp8_656")
+    overlapping = torch.as_strided(torch.zeros(5000, dtype=torch.uint8), (3, 4, 584), (1000, 584, 1))
+    with pytest.raises(ValueError, match=r"kv_cache: expected stride\(0\) >= page_size \* 584"):
+        tsm.kv_cache_gather(overlapping, slots, kv_format="fp8_584")
+    with pytest.raises(ValueError, match=r"kv_cache: expected stride\(-1\) == 1"):
+        tsm.kv_cache_insert(kv, slots, torch.zeros(2, 4, 1152, dtype=BF16)[:, :, ::2], kv_format="auto")
+    with pytest.raises(ValueError, match=r"kv_cache: expected dtype bfloat16 or float16 or float32, got int8"):
+        tsm.kv_cache_gather(torch.zeros(2, 4, 576, dtype=torch.int8), slots, kv_format="auto")
+    with pytest.raises(ValueError, match=r"slots: expected dtype int32 or int64, got float32"):
+        tsm.kv_cache_gather(c656, slots.float(), kv_format="fp8_656")
+    with pytest.raises(ValueError, match=r"slots: expected a 1-D tensor, got shape \(2, 2\)"):
+        tsm.kv_cache_gather(c656, slots.view(2, 2), kv_format="fp8_656")
+    with pytest.raises(ValueError, match=r"dtype: expected bfloat16 or float16 or float32 \(or None for bfloat16\), got int8"):
+        tsm.kv_cache_gather(c656, slots, kv_format="fp8_656", dtype=torch.int8)
+    with pytest.raises(ValueError, match=r"out: expected dtype bfloat16, got float16"):
+        tsm.kv_cache_gather(c656, slots, kv_format="fp8_656", dtype=BF16, out=torch.empty(4, 576, dtype=F16))
+    with pytest.raises(ValueError, match=r"out: expected shape\[0\] == len\(slots\) \(4\), got shape \(5, 576\)"):
+        tsm.kv_cache_gather(c656, slots, kv_format="fp8_656", out=torch.empty(5, 576, dtype=BF16))
+    with pytest.raises(ValueError, match=r"out: expected shape\[1\] == the cache's latent dimension D \(512\)"):
+        tsm.kv_cache_gather(c584, slots, kv_format="fp8_584", out=torch.empty(4, 576, dtype=BF16))
+    with pytest.raises(ValueError, match=r"slot_mapping: expected a tensor on cpu"):
+        tsm.kv_cache_insert(kv, slots.to("meta"), c656, kv_format="fp8_656")
+
+
+# =====================================================================================================
+# GPU: CUDA parity, manual CUDA-graph capture, reduce-overhead compile
+# =====================================================================================================
+
+
+@requires_cuda
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_cuda_parity(kv_format, layout):
+    """The CUDA kernels write the same bytes and read the same values as the CPU kernels."""
+    page_size, pad = LAYOUTS[layout]
+    dim = FMT_DIM[kv_format]
+    for kv_dtype in (BF16, F16, F32):
+        cpu = ref.make_cache(40, page_size, kv_format, page_pad=pad)
+        gpu = ref.make_cache(40, page_size, kv_format, page_pad=pad, device="cuda")
+        num_slots = 40 * page_size
+        slots = make_slots(num_slots, min(300, num_slots), seed=30)
+        kv = make_kv(slots.shape[0], dim, kv_dtype, seed=31)
+        tsm.kv_cache_insert(kv, slots, cpu, kv_format=kv_format)
+        tsm.kv_cache_insert(kv.cuda(), slots.cuda(), gpu, kv_format=kv_format)
+        assert_same_bytes(gpu, cpu)
+        for dtype in (BF16, F16, F32):
+            want = tsm.kv_cache_gather(cpu, slots, kv_format=kv_format, dtype=dtype)
+            got = tsm.kv_cache_gather(gpu, slots.int().cuda(), kv_format=kv_format, dtype=dtype)
+            assert torch.equal(got.cpu(), want)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_cuda_graph_capture_replay(kv_format):
+    """Capture insert + gather.out once; replay on new kv values and new slots."""
+    dim = FMT_DIM[kv_format]
+    mirror = cache_for(kv_format, "ps3-pad7")  # CPU cache updated by the CPU kernel alongside
+    cache = cache_for(kv_format, "ps3-pad7", device="cuda")
+    num_slots = cache.shape[0] * cache.shape[1]
+
+    def batch(seed):
+        slots = make_slots(num_slots, 4, seed)  # 4 valid and 6 empty entries: the same length every time
+        return make_kv(slots.shape[0], dim, BF16, seed), slots, slots.flip(0).to(torch.int32)
+
+    kv0, slots0, read0 = batch(0)
+    n = slots0.shape[0]
+    static_kv, static_slots, static_read = kv0.cuda(), slots0.cuda(), read0.cuda()
+    out = torch.empty(n, dim, dtype=F32, device="cuda")
+
+    def step():
+        ops.kv_cache_insert(static_kv, static_slots, cache, kv_format)
+        ops.kv_cache_gather.out(cache, static_read, kv_format, F32, out=out)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm-up compiles the kernels outside the capture (and writes batch 0)
+    torch.cuda.current_stream().wait_stream(side)
+    kernels.kv_cache_insert_torch(kv0, slots0, mirror, kv_format)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    for seed in (1, 2, 3):
+        kv, slots, read = batch(seed)
+        static_kv.copy_(kv)
+        static_slots.copy_(slots)
+        static_read.copy_(read)
+        poison(out)
+        graph.replay()
+        torch.cuda.synchronize()
+        kernels.kv_cache_insert_torch(kv, slots, mirror, kv_format)
+        assert_same_bytes(cache, mirror)
+        assert torch.equal(out.cpu(), naive_gather(mirror, read, kv_format, F32))
+
+
+class CacheStep(torch.nn.Module):
+    """One decode step's cache traffic with the caches in module buffers (the gpt-fast pattern)."""
+
+    def __init__(self, caches):
+        super().__init__()
+        for kv_format, cache in zip(ref.FORMATS, caches):
+            self.register_buffer(f"cache_{kv_format}", cache)
+
+    def forward(self, kv576, kv512, slots, read_slots):
+        return cache_step(kv576, kv512, slots, read_slots,
+                          *(getattr(self, f"cache_{kv_format}") for kv_format in ref.FORMATS))
+
+
+@requires_cuda
+def test_reduce_overhead_takes_cuda_graph():
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    mirrors = [ref.make_cache(NUM_PAGES, 64, f) for f in ref.FORMATS]
+    module = CacheStep([ref.make_cache(NUM_PAGES, 64, f, device="cuda") for f in ref.FORMATS])
+    compiled = torch.compile(module, mode="reduce-overhead", fullgraph=True)
+    with torch._inductor.config.patch({"triton.cudagraph_or_error": True}):
+        for seed in range(4):
+            slots = make_slots(NUM_PAGES * 64, 11, seed)  # 11 valid + 6 empty: the same shape every step
+            kv576, kv512 = make_kv(slots.shape[0], 576, BF16, seed), make_kv(slots.shape[0], 512, BF16, seed)
+            read = slots.flip(0).to(torch.int32)
+            got = [x.cpu() for x in compiled(kv576.cuda(), kv512.cuda(), slots.cuda(), read.cuda())]
+            want = cache_step(kv576, kv512, slots, read, *mirrors)
+            for kv_format, g_, w_, cache, mirror in zip(ref.FORMATS, got, want, module.buffers(), mirrors):
+                assert torch.equal(g_, w_), kv_format
+                assert_same_bytes(cache, mirror)
+    assert counters["inductor"]["cudagraph_skips"] == 0
