@@ -18,7 +18,7 @@ from expecttest import assert_expected_inline
 
 from torch_sparse_mla import decode_runtime_metadata, sparse_gqa_decode
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
-from tests.common import assert_no_recompiles, poison, requires_cuda, requires_interpreter
+from common import assert_no_recompiles, poison, requires_cuda, requires_interpreter
 
 BF16, FP16, FP8 = torch.bfloat16, torch.float16, torch.float8_e4m3fn
 DTYPE_NAMES = {BF16: "bf16", FP16: "fp16", FP8: "fp8"}
