@@ -5,8 +5,10 @@ Shared by every operator that reads a sparse MLA cache (``sparse_mla_decode``, `
 - ``FORMAT_IDS`` / ``cache_dim`` / ``bytes_per_token`` / ``check_kv_cache``: host-side facts and the
   metadata-only layout checks of a cache tensor;
 - ``dequantize_torch``: vectorised PyTorch, float32 rows of any slots (the CPU kernels);
-- ``load_kv_tile`` (Triton): a ``[BLOCK_N, CHUNK]`` float32 tile of dequantised values, decoded in
-  registers (no dequantised copy of the cache ever exists in memory).
+- ``load_kv_tile`` / ``load_kv_cols`` (Triton): a ``[BLOCK_N, CHUNK]`` float32 tile of dequantised
+  values, decoded in registers (no dequantised copy of the cache ever exists in memory);
+- ``load_fp8_656_raw`` / ``load_fp8_656_scales`` (Triton): an fp8_656 scale group's raw e4m3 values
+  and the four per-row scales apart, for callers that apply the scale after an exact product.
 
 Layouts (bytes of one token or page; ``stride(0)`` is the page stride and may include padding):
 
@@ -150,12 +152,11 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
 
 @triton.jit
 def _load_f32_le(ptr, mask):
-    """float32 from 4 little-endian bytes at ``ptr`` (uint8 pointers, any alignment); 0 where masked."""
-    b0 = tl.load(ptr, mask=mask, other=0).to(tl.int32)
-    b1 = tl.load(ptr + 1, mask=mask, other=0).to(tl.int32)
-    b2 = tl.load(ptr + 2, mask=mask, other=0).to(tl.int32)
-    b3 = tl.load(ptr + 3, mask=mask, other=0).to(tl.int32)
-    return (b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)).to(tl.float32, bitcast=True)
+    """float32 ``[N]`` from the 4 little-endian bytes at each of ``ptr [N]`` (uint8 pointers, any
+    alignment); 0 where masked. One ``[N, 4]`` load: a single 32-bit access per row when aligned."""
+    four = tl.arange(0, 4)
+    b = tl.load(ptr[:, None] + four[None, :], mask=mask[:, None], other=0).to(tl.int32)
+    return tl.sum(b << (8 * four)[None, :], axis=1).to(tl.float32, bitcast=True)  # disjoint bits: sum = OR
 
 
 @triton.jit
@@ -259,7 +260,7 @@ def load_kv_tile(
 
 
 @triton.jit
-def load_fp8_656_group(
+def load_fp8_656_raw(
     cache_ptr,  # uint8 fp8_656 cache
     stride_page,  # kv_cache.stride(0), bytes
     page_size,  # kv_cache.shape[1]
@@ -267,15 +268,30 @@ def load_fp8_656_group(
     valid,  # bool [BLOCK_N]: rows to load (0 <= slot < pages * page_size checked by the caller)
     GROUP: tl.constexpr,  # scale group 0..3: dims [128 * GROUP, 128 * GROUP + 128)
 ):
-    """``(raw, scale)``: the e4m3 values of one scale group as float32 ``[BLOCK_N, 128]`` (not scaled)
-    and the group's float32 scale ``[BLOCK_N]``; 0 for invalid rows. ``raw * scale[:, None]`` is the
-    dequantised tile; keeping them apart lets a caller run exact products on the raw values (e4m3 is
-    exact in bf16 and fp16) and apply the scale afterwards in float32."""
+    """float32 ``[BLOCK_N, 128]``: the e4m3 values of one scale group, not scaled; 0 for invalid rows.
+    With ``load_fp8_656_scales``, ``raw * scale[:, None]`` is the dequantised tile; keeping them apart
+    lets a caller run exact products on the raw values (e4m3 is exact in bf16 and fp16) and apply the
+    scale afterwards in float32."""
     cols = GROUP * 128 + tl.arange(0, 128)
     slot = tl.where(valid, slots, 0).to(tl.int64)
     page = slot // page_size
     row_base = page * stride_page + (slot - page * page_size) * 656
     raw = tl.load(cache_ptr + row_base[:, None] + cols[None, :], mask=valid[:, None], other=0)
-    scale = _load_f32_le(cache_ptr + row_base + 512 + 4 * GROUP, valid)
-    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32), scale
+    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
+
+@triton.jit
+def load_fp8_656_scales(cache_ptr, stride_page, page_size, slots, valid):
+    """The four float32 scales ``[BLOCK_N]`` of each row (0 for invalid rows), from one 16-byte load
+    per row (a single vector load when the page stride is a multiple of 16)."""
+    slot = tl.where(valid, slots, 0).to(tl.int64)
+    page = slot // page_size
+    row_base = page * stride_page + (slot - page * page_size) * 656
+    b = tl.arange(0, 16)
+    raw = tl.load(cache_ptr + (row_base + 512)[:, None] + b[None, :], mask=valid[:, None], other=0).to(tl.int32)
+    bits = raw << (8 * (b % 4))[None, :]  # disjoint bit fields: their sum is their OR
+    s0 = tl.sum(tl.where((b // 4 == 0)[None, :], bits, 0), axis=1).to(tl.float32, bitcast=True)
+    s1 = tl.sum(tl.where((b // 4 == 1)[None, :], bits, 0), axis=1).to(tl.float32, bitcast=True)
+    s2 = tl.sum(tl.where((b // 4 == 2)[None, :], bits, 0), axis=1).to(tl.float32, bitcast=True)
+    s3 = tl.sum(tl.where((b // 4 == 3)[None, :], bits, 0), axis=1).to(tl.float32, bitcast=True)
+    return s0, s1, s2, s3

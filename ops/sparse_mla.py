@@ -1,9 +1,496 @@
-"""Kernels for the sparse_mla family. PLACEHOLDER: replaced by the sparse_mla work."""
+"""Kernels of ``sparse_mla_decode`` (SPEC section 6): vectorised PyTorch and Triton.
+
+Both entry points take the ``out`` overload's positional arguments followed by ``out`` and ``lse``,
+and write every element of both. Shared semantics:
+
+- the candidates of token ``t`` are entries ``j < clamp(topk_length[t], 0, K)`` of ``indices[t]`` whose
+  slot is in ``[0, pages * page_size)``, then the same for the extra list and extra cache; duplicates
+  count as separate candidates; every other entry is empty and never read;
+- ``lse`` is the natural-log sum over the candidates only; the sink scales ``out`` by
+  ``1 / (1 + exp(sink - lse))``; a token without candidates gets ``out = 0`` and ``lse = +inf``.
+
+Triton design (``docs/sparse_mla.md`` has the reasoning and the measured register budget):
+
+- grid: one program per ``(token, split, block of BLOCK_H heads)`` on axis 0, heads fastest, so the
+  head blocks of one token run side by side and share the cache rows through L2;
+- per program: Q is loaded once as four V pieces ``[BLOCK_H, PV]`` (dims ``< head_dim_v``) and one
+  tail piece ``[BLOCK_H, PT]`` (dims ``head_dim_v..D``); one loop walks the main then the extra list in
+  blocks of BLOCK_N slots, dequantises each piece of the K rows in registers, accumulates
+  ``S = Q K^T`` over the pieces on the tensor cores, runs the online softmax in fp32 base 2, and
+  reuses the four V pieces of K for ``acc += P V`` (each cache row is read once per head block);
+- split-K: when ``T * head_blocks`` does not fill the GPU, the candidate blocks of each token are
+  divided among ``num_splits`` programs that write ``(m, l, acc)`` to a float32 workspace (sized
+  from shapes); a combine kernel merges them, applies the sink and writes ``out`` and ``lse``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+
+import torch
+
+from torch_sparse_mla.ops._formats import (
+    FORMAT_IDS,
+    dequantize_torch,
+    load_fp8_656_raw,
+    load_fp8_656_scales,
+    load_kv_cols,
+)
+from torch_sparse_mla.ops._triton import HAS_TRITON, tl, triton
+
+if HAS_TRITON:
+    from triton.runtime.errors import OutOfResources
+else:  # pragma: no cover
+    OutOfResources = RuntimeError
+
+_LOG2E = 1.4426950408889634
+_CPU_CHUNK_ELEMS = 1 << 24  # float32 elements of dequantised K (and scores) per CPU chunk of tokens
+_DEFAULT_SMS = 132  # H200; used to plan the grid when no CUDA device is at hand (interpreter)
+_MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split program, so the combine stays cheap
 
 
-def sparse_mla_decode_torch(*args):
-    raise NotImplementedError('sparse_mla_decode_torch')
+# =====================================================================================================
+# PyTorch kernel
+# =====================================================================================================
 
 
-def sparse_mla_decode_triton(*args):
-    raise NotImplementedError('sparse_mla_decode_triton')
+def _list_candidates_torch(q32, kv_cache, indices, lengths, kv_format, softmax_scale):
+    """Scores ``[t, H, K]`` (``-inf`` where not a candidate) and K rows ``[t, K, D]`` of one list."""
+    k = indices.shape[1]
+    col = torch.arange(k, device=indices.device)
+    used = torch.ones_like(indices, dtype=torch.bool) if lengths is None else col[None, :] < lengths[:, None]
+    pages, page_size, _ = kv_cache.shape
+    slots = torch.where(used, indices.to(torch.int64), -1)
+    valid = (slots >= 0) & (slots < pages * page_size)
+    keys = dequantize_torch(kv_cache, slots, kv_format)  # rows of non-candidates are 0
+    scores = torch.bmm(q32, keys.transpose(1, 2)) * softmax_scale
+    return scores.masked_fill(~valid[:, None, :], float("-inf")), keys
+
+
+def sparse_mla_decode_dense(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=512, topk_length=None,
+                            attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
+    """The whole operator as one PyTorch expression (gather, dequantise, softmax) in float32:
+    returns float32 ``(out [T, H, head_dim_v], lse [T, H])``. The CPU kernel runs it on chunks of
+    tokens; the benchmark compiles it as the reference."""
+    q32 = q.to(torch.float32)
+    parts = [_list_candidates_torch(q32, kv_cache, indices, topk_length, kv_format, softmax_scale)]
+    if extra_kv_cache is not None:
+        parts.append(_list_candidates_torch(q32, extra_kv_cache, extra_indices, extra_topk_length, kv_format,
+                                            softmax_scale))
+    scores = torch.cat([s for s, _ in parts], dim=2)
+    values = torch.cat([kv[:, :, :head_dim_v] for _, kv in parts], dim=1)
+    m = scores.amax(dim=2, keepdim=True)
+    m = torch.where(torch.isneginf(m), 0.0, m)  # a token without candidates: all -inf
+    p = torch.exp(scores - m)
+    total = p.sum(dim=2)
+    has = total > 0
+    out = torch.bmm(p, values) / torch.where(has, total, 1.0)[:, :, None]
+    lse = torch.where(has, torch.log(total) + m[:, :, 0], float("inf"))
+    if attn_sink is not None:
+        out = out * torch.where(has, torch.sigmoid(lse - attn_sink[None, :]), 0.0)[:, :, None]
+    return out, lse
+
+
+def sparse_mla_decode_torch(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
+                            extra_kv_cache, extra_indices, extra_topk_length, out, lse):
+    """CPU kernel: the ``out`` overload's positional arguments, then ``out`` and ``lse``."""
+    num_tokens, num_heads, dim = q.shape
+    if num_tokens == 0:
+        return
+    k_total = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
+    chunk = max(1, _CPU_CHUNK_ELEMS // max(k_total * (dim + num_heads), 1))
+    for t0 in range(0, num_tokens, chunk):
+        rows = slice(t0, min(t0 + chunk, num_tokens))
+
+        def part(t):
+            return None if t is None else t[rows]
+
+        o, l = sparse_mla_decode_dense(
+            q[rows], kv_cache, indices[rows], softmax_scale, kv_format, head_dim_v, part(topk_length), attn_sink,
+            extra_kv_cache, part(extra_indices), part(extra_topk_length))
+        out[rows].copy_(o)
+        lse[rows].copy_(l)
+
+
+# =====================================================================================================
+# Triton kernels
+# =====================================================================================================
+
+
+@triton.jit
+def _qk_piece(
+    q,  # [BLOCK_H, PV] query piece (MMA dtype)
+    scale,  # FOLD: [BLOCK_N] float32 scale of this piece's scale group (unused otherwise)
+    cache_ptr, stride_page, stride_row, page_size, slots, valid,
+    COL0: tl.constexpr, PV: tl.constexpr, DV: tl.constexpr, KV_FORMAT: tl.constexpr, FOLD: tl.constexpr,
+    V_RAW: tl.constexpr,
+):
+    """``(q K^T [BLOCK_H, BLOCK_N] float32, V piece [BLOCK_N, PV] in the MMA dtype)`` for dims
+    ``[COL0, COL0 + PV)`` (dims ``>= DV`` are 0).
+
+    Generic path: the piece is dequantised in registers and rounded once to the MMA dtype.
+    ``FOLD`` (fp8_656, pieces = scale groups): the product runs on the raw e4m3 values, which are
+    exact in bf16 and fp16, and the per-row scale multiplies the float32 result, so the scores carry
+    no rounding of a dequantised K. ``V_RAW`` (with FOLD, bf16): the V piece is the raw values too and
+    ``_pv`` applies the scale to P; fp16 instead dequantises V (P * scale would underflow fp16)."""
+    if FOLD:
+        raw = load_fp8_656_raw(cache_ptr, stride_page, page_size, slots, valid, COL0 // 128)
+        k = raw.to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * scale[None, :]
+        if not V_RAW:
+            k = (raw * scale[:, None]).to(q.dtype)
+    else:
+        k = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slots, valid, COL0, PV, DV,
+                         KV_FORMAT).to(q.dtype)
+        s = tl.dot(q, tl.trans(k))
+    return s, k
+
+
+@triton.jit
+def _pv(acc, alpha, p, v, scale, V_RAW: tl.constexpr):
+    """``acc * alpha + P @ V`` for one V piece; with ``V_RAW`` the piece holds raw e4m3 values and P
+    takes their per-row scale (probabilities rounded once to bf16, as the contract allows)."""
+    if V_RAW:
+        pv = (p * scale[None, :]).to(v.dtype)
+    else:
+        pv = p.to(v.dtype)
+    return tl.dot(pv, v, acc * alpha[:, None])
+
+
+@triton.jit
+def _attend(
+    q0, q1, q2, q3, qt,  # query pieces (MMA dtype): dims [i*PV, (i+1)*PV) and [DV, DV + PT)
+    cache_ptr, stride_page, stride_row, page_size, num_slots,  # main cache
+    idx_row_ptr, stride_ik, n_main,  # this token's main list and its used length
+    xcache_ptr, x_stride_page, x_stride_row, x_page_size, x_num_slots,  # extra cache (HAS_EXTRA)
+    xidx_row_ptr, x_stride_ik, n_extra,  # this token's extra list and its used length
+    blk_lo, blk_hi,  # the blocks of BLOCK_N entries this program walks, numbered across both lists
+    nb_main,  # blocks of the main list: block b >= nb_main is block b - nb_main of the extra list
+    qk_scale,  # softmax_scale * log2(e): scores in base 2
+    BLOCK_H: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr, D: tl.constexpr, PT: tl.constexpr,
+    HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr, FOLD: tl.constexpr,
+    V_RAW: tl.constexpr, HAS_EXTRA: tl.constexpr,
+):
+    """Online softmax over blocks ``[blk_lo, blk_hi)``: ``(acc0..3 [BLOCK_H, PV], m, l [BLOCK_H])``
+    in base 2, ``acc`` not normalised. One loop serves both lists (the block picks its cache and list
+    by scalar selects): a second loop would duplicate the body and double the register pressure."""
+    acc0 = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
+    acc1 = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
+    acc3 = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
+    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for blk in range(blk_lo, blk_hi):
+        if HAS_EXTRA:
+            main = blk < nb_main
+            c_ptr = tl.where(main, cache_ptr, xcache_ptr)
+            c_sp = tl.where(main, stride_page, x_stride_page)
+            c_sr = tl.where(main, stride_row, x_stride_row)
+            c_ps = tl.where(main, page_size, x_page_size)
+            c_ns = tl.where(main, num_slots, x_num_slots)
+            i_ptr = tl.where(main, idx_row_ptr, xidx_row_ptr)
+            i_st = tl.where(main, stride_ik, x_stride_ik)
+            n_used = tl.where(main, n_main, n_extra)
+            first = tl.where(main, blk, blk - nb_main) * BLOCK_N
+        else:
+            c_ptr = cache_ptr
+            c_sp = stride_page
+            c_sr = stride_row
+            c_ps = page_size
+            c_ns = num_slots
+            i_ptr = idx_row_ptr
+            i_st = stride_ik
+            n_used = n_main
+            first = blk * BLOCK_N
+        offs = first + tl.arange(0, BLOCK_N)
+        in_list = offs < n_used
+        slots = tl.load(i_ptr + offs * i_st, mask=in_list, other=-1).to(tl.int64)
+        valid = in_list & (slots >= 0) & (slots < c_ns)
+        if FOLD:
+            c0, c1, c2, c3 = load_fp8_656_scales(c_ptr, c_sp, c_ps, slots, valid)
+        else:
+            c0 = tl.full([BLOCK_N], 1.0, dtype=tl.float32)
+            c1 = c0
+            c2 = c0
+            c3 = c0
+        s, k0 = _qk_piece(q0, c0, c_ptr, c_sp, c_sr, c_ps, slots, valid, 0, PV, DV, KV_FORMAT, FOLD,
+                          V_RAW)
+        s1, k1 = _qk_piece(q1, c1, c_ptr, c_sp, c_sr, c_ps, slots, valid, PV, PV, DV, KV_FORMAT, FOLD,
+                           V_RAW)
+        s2, k2 = _qk_piece(q2, c2, c_ptr, c_sp, c_sr, c_ps, slots, valid, 2 * PV, PV, DV, KV_FORMAT, FOLD,
+                           V_RAW)
+        s3, k3 = _qk_piece(q3, c3, c_ptr, c_sp, c_sr, c_ps, slots, valid, 3 * PV, PV, DV, KV_FORMAT, FOLD,
+                           V_RAW)
+        s = s + s1 + s2 + s3  # K pieces: dequantised in registers; rows not valid are 0, never read
+        if HAS_TAIL:
+            kt = load_kv_cols(c_ptr, c_sp, c_sr, c_ps, slots, valid, DV, PT, D, KV_FORMAT).to(q0.dtype)
+            s = tl.dot(qt, tl.trans(kt), s)
+        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc0 = _pv(acc0, alpha, p, k0, c0, V_RAW)
+        acc1 = _pv(acc1, alpha, p, k1, c1, V_RAW)
+        acc2 = _pv(acc2, alpha, p, k2, c2, V_RAW)
+        acc3 = _pv(acc3, alpha, p, k3, c3, V_RAW)
+        m_i = m_new
+    return acc0, acc1, acc2, acc3, m_i, l_i
+
+
+@triton.jit
+def _finish_rows(m_i, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK: tl.constexpr):
+    """Natural-log ``lse`` [BLOCK_H] and the factor that turns ``acc`` into ``out`` (1/l times the
+    sink's ``1 / (1 + exp(sink - lse))``); rows without a candidate get ``+inf`` and 0."""
+    has = l_i > 0
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("inf"))
+    factor = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    if HAS_SINK:
+        sink = tl.load(sink_ptr + heads * stride_sink, mask=head_ok, other=float("-inf"))
+        factor = tl.where(has, factor / (1.0 + tl.exp(sink - tl.where(has, lse, 0.0))), 0.0)
+    return lse, factor
+
+
+@triton.jit
+def _store_piece(out_row_ptrs, stride_od, acc, factor, head_ok, COL0: tl.constexpr, PV: tl.constexpr,
+                 DV: tl.constexpr):
+    cols = COL0 + tl.arange(0, PV)
+    mask = head_ok[:, None] & (cols < DV)[None, :]
+    val = acc * factor[:, None]
+    tl.store(out_row_ptrs[:, None] + cols[None, :] * stride_od, val.to(out_row_ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _store_partial(ws_row_ptrs, acc, head_ok, COL0: tl.constexpr, PV: tl.constexpr):
+    cols = COL0 + tl.arange(0, PV)
+    tl.store(ws_row_ptrs[:, None] + cols[None, :], acc, mask=head_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["topk", "x_topk"])
+def _sparse_mla_decode_kernel(
+    q_ptr, stride_qt, stride_qh, stride_qd,  # [T, H, D] bf16/fp16
+    cache_ptr, stride_cp, stride_cr, page_size, num_slots,  # main cache
+    idx_ptr, stride_it, stride_ik, topk,  # int32 [T, K]
+    len_ptr, stride_len,  # int32 [T] (HAS_LEN)
+    xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,  # extra cache (HAS_EXTRA)
+    xidx_ptr, stride_xt, stride_xk, x_topk,  # int32 [T, K2] (HAS_EXTRA)
+    xlen_ptr, stride_xlen,  # int32 [T] (HAS_XLEN)
+    sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
+    out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype (not SPLIT)
+    lse_ptr, stride_lt, stride_lh,  # float32 [T, H] (not SPLIT)
+    ws_acc_ptr, ws_ml_ptr,  # SPLIT: float32 [T, S, H, 4 * PV] and [T, S, H, 2], contiguous
+    num_heads, num_head_blocks, num_splits, qk_scale,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    DV: tl.constexpr, PV: tl.constexpr, D: tl.constexpr, PT: tl.constexpr, HAS_TAIL: tl.constexpr,
+    KV_FORMAT: tl.constexpr, FOLD: tl.constexpr, V_RAW: tl.constexpr, HAS_LEN: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, HAS_XLEN: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hb = pid % num_head_blocks
+    rest = pid // num_head_blocks
+    split = rest % num_splits
+    t = (rest // num_splits).to(tl.int64)
+
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    q_rows = q_ptr + t * stride_qt + heads.to(tl.int64)[:, None] * stride_qh
+    cv = tl.arange(0, PV)
+    q0 = tl.load(q_rows + cv[None, :] * stride_qd, mask=head_ok[:, None] & (cv < DV)[None, :], other=0.0)
+    q1 = tl.load(q_rows + (PV + cv)[None, :] * stride_qd, mask=head_ok[:, None] & (PV + cv < DV)[None, :],
+                 other=0.0)
+    q2 = tl.load(q_rows + (2 * PV + cv)[None, :] * stride_qd,
+                 mask=head_ok[:, None] & (2 * PV + cv < DV)[None, :], other=0.0)
+    q3 = tl.load(q_rows + (3 * PV + cv)[None, :] * stride_qd,
+                 mask=head_ok[:, None] & (3 * PV + cv < DV)[None, :], other=0.0)
+    if HAS_TAIL:
+        ct = DV + tl.arange(0, PT)
+        qt = tl.load(q_rows + ct[None, :] * stride_qd, mask=head_ok[:, None] & (ct < D)[None, :], other=0.0)
+    else:
+        qt = q0  # unused
+
+    n_main = topk
+    if HAS_LEN:
+        n_main = tl.minimum(tl.maximum(tl.load(len_ptr + t * stride_len), 0), topk)
+    nb_main = (n_main + BLOCK_N - 1) // BLOCK_N
+    nb_total = nb_main
+    n_extra = 0
+    if HAS_EXTRA:
+        n_extra = x_topk
+        if HAS_XLEN:
+            n_extra = tl.minimum(tl.maximum(tl.load(xlen_ptr + t * stride_xlen), 0), x_topk)
+        nb_total += (n_extra + BLOCK_N - 1) // BLOCK_N
+    if SPLIT:
+        per_split = (nb_total + num_splits - 1) // num_splits
+        blk_lo = split * per_split
+        blk_hi = tl.minimum(blk_lo + per_split, nb_total)
+    else:
+        blk_lo = 0
+        blk_hi = nb_total
+
+    acc0, acc1, acc2, acc3, m_i, l_i = _attend(
+        q0, q1, q2, q3, qt,
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr + t * stride_it, stride_ik, n_main,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr + t * stride_xt, stride_xk, n_extra,
+        blk_lo, blk_hi, nb_main, qk_scale,
+        BLOCK_H, DV, PV, D, PT, HAS_TAIL, BLOCK_N, KV_FORMAT, FOLD, V_RAW, HAS_EXTRA)
+
+    if SPLIT:
+        row = (t * num_splits + split) * num_heads + heads.to(tl.int64)  # [T, S, H] row of the workspace
+        ws_rows = ws_acc_ptr + row * (4 * PV)
+        _store_partial(ws_rows, acc0, head_ok, 0, PV)
+        _store_partial(ws_rows, acc1, head_ok, PV, PV)
+        _store_partial(ws_rows, acc2, head_ok, 2 * PV, PV)
+        _store_partial(ws_rows, acc3, head_ok, 3 * PV, PV)
+        tl.store(ws_ml_ptr + row * 2, m_i, mask=head_ok)
+        tl.store(ws_ml_ptr + row * 2 + 1, l_i, mask=head_ok)
+    else:
+        lse, factor = _finish_rows(m_i, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
+        tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+        out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
+        _store_piece(out_rows, stride_od, acc0, factor, head_ok, 0, PV, DV)
+        _store_piece(out_rows, stride_od, acc1, factor, head_ok, PV, PV, DV)
+        _store_piece(out_rows, stride_od, acc2, factor, head_ok, 2 * PV, PV, DV)
+        _store_piece(out_rows, stride_od, acc3, factor, head_ok, 3 * PV, PV, DV)
+
+
+@triton.jit
+def _sparse_mla_combine_kernel(
+    ws_acc_ptr, ws_ml_ptr,  # float32 [T, S, H, DV_PAD] and [T, S, H, 2], contiguous
+    sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
+    out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype
+    lse_ptr, stride_lt, stride_lh,  # float32 [T, H]
+    num_heads, num_head_blocks, num_splits,
+    BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    hb = pid % num_head_blocks
+    t = (pid // num_head_blocks).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    cols = tl.arange(0, DV_PAD)
+    m_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        row = (t * num_splits + s) * num_heads + heads.to(tl.int64)
+        m_max = tl.maximum(m_max, tl.load(ws_ml_ptr + row * 2, mask=head_ok, other=float("-inf")))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, DV_PAD], dtype=tl.float32)
+    for s in range(num_splits):
+        row = (t * num_splits + s) * num_heads + heads.to(tl.int64)
+        m_s = tl.load(ws_ml_ptr + row * 2, mask=head_ok, other=float("-inf"))
+        l_s = tl.load(ws_ml_ptr + row * 2 + 1, mask=head_ok, other=0.0)
+        w = tl.exp2(m_s - m_use)  # 0 for a split without candidates (m_s = -inf)
+        l_i += l_s * w
+        a = tl.load(ws_acc_ptr + row[:, None] * DV_PAD + cols[None, :], mask=head_ok[:, None], other=0.0)
+        acc += a * w[:, None]
+    lse, factor = _finish_rows(m_use, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
+    tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+    out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
+    _store_piece(out_rows, stride_od, acc, factor, head_ok, 0, DV_PAD, DV)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SMS
+
+
+def _plan(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None) -> dict:
+    """Launch configuration from shapes only (no autotune: it would re-run inside CUDA-graph capture).
+
+    - ``BLOCK_H = clamp(next_pow2(H), 16, 64)``: no padding of the work to 64 or 128 heads; H > 64
+      runs ceil(H / 64) head blocks, each reading the candidate rows once.
+    - 8 warps and ``BLOCK_N = 32``: the float32 accumulator ``[64, 512]`` is 128 registers per thread
+      (64 or fewer below 64 heads) and a K piece ``[32, 128]`` 16 values per thread. Checked by
+      compiling for sm_90: these configurations spill at most ~0.3 KB per thread (fp8_656, 64 heads),
+      BLOCK_N = 64 several times more.
+    - split-K when ``T * head_blocks`` programs do not fill the SMs, keeping at least
+      ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks per split.
+    """
+    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    head_blocks = triton.cdiv(num_heads, block_h)
+    block_n = 32
+    if num_splits is None:
+        programs = max(num_tokens * head_blocks, 1)
+        blocks = triton.cdiv(k_total, block_n)
+        num_splits = max(1, min(triton.cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
+    return dict(block_h=block_h, head_blocks=head_blocks, block_n=block_n, num_warps=8, num_stages=2,
+                num_splits=num_splits)
+
+
+def _pieces(dim: int, head_dim_v: int) -> tuple[int, int, int]:
+    """``(PV, PT, HAS_TAIL)``: four V pieces of PV dims cover ``head_dim_v`` (512 -> 4 x 128); one tail
+    piece of PT dims covers ``D - head_dim_v`` (576 - 512 -> 64). Both at least 16 (``tl.dot``)."""
+    pv = max(16, triton.next_power_of_2(head_dim_v) // 4)
+    tail = dim - head_dim_v
+    pt = max(16, triton.next_power_of_2(tail)) if tail > 0 else 16
+    return pv, pt, tail > 0
+
+
+def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
+                             extra_kv_cache, extra_indices, extra_topk_length, out, lse, *, num_splits=None):
+    """CUDA kernel: launches the decode kernel (and the combine kernel when split). Arguments as
+    :func:`sparse_mla_decode_torch`; ``num_splits`` overrides the heuristic (tests use it to exercise
+    the split path on small grids)."""
+    num_tokens, num_heads, dim = q.shape
+    if num_tokens == 0:
+        return
+    has_extra = extra_kv_cache is not None
+    k_total = indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
+    plan = _plan(num_tokens, num_heads, k_total, _num_sms(q.device), num_splits)
+    pv, pt, has_tail = _pieces(dim, head_dim_v)
+    splits = plan["num_splits"]
+    if splits > 1:  # workspace sized from shapes only
+        ws_acc = torch.empty((num_tokens, splits, num_heads, 4 * pv), dtype=torch.float32, device=q.device)
+        ws_ml = torch.empty((num_tokens, splits, num_heads, 2), dtype=torch.float32, device=q.device)
+    else:
+        ws_acc = ws_ml = lse  # not read
+    # Absent optional tensors: any tensor stands in; the HAS_* constexprs keep it from being read.
+    xc = extra_kv_cache if has_extra else kv_cache
+    xi = extra_indices if has_extra else indices
+    length = topk_length if topk_length is not None else indices
+    xlength = extra_topk_length if extra_topk_length is not None else indices
+    sink = attn_sink if attn_sink is not None else lse
+    pages, page_size, _ = kv_cache.shape
+    x_pages, x_page_size, _ = xc.shape
+    args = (
+        q, q.stride(0), q.stride(1), q.stride(2),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), page_size, pages * page_size,
+        indices, indices.stride(0), indices.stride(1), indices.shape[1],
+        length, length.stride(0),
+        xc, xc.stride(0), xc.stride(1), x_page_size, x_pages * x_page_size,
+        xi, xi.stride(0), xi.stride(1), xi.shape[1],
+        xlength, xlength.stride(0),
+        sink, sink.stride(0),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        lse, lse.stride(0), lse.stride(1),
+        ws_acc, ws_ml,
+        num_heads, plan["head_blocks"], splits, float(softmax_scale) * _LOG2E,
+    )
+    fold = kv_format == "fp8_656" and head_dim_v == 512  # the four V pieces are the four scale groups
+    constexprs = dict(
+        BLOCK_H=plan["block_h"], BLOCK_N=plan["block_n"], DV=head_dim_v, PV=pv, D=dim, PT=pt, HAS_TAIL=has_tail,
+        KV_FORMAT=FORMAT_IDS[kv_format], FOLD=fold, V_RAW=fold and q.dtype == torch.bfloat16,
+        HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
+        HAS_SINK=attn_sink is not None, SPLIT=splits > 1, num_warps=plan["num_warps"],
+    )
+    grid = (num_tokens * splits * plan["head_blocks"],)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        try:
+            _sparse_mla_decode_kernel[grid](*args, **constexprs, num_stages=plan["num_stages"])
+        except OutOfResources:  # compile-time only: retry without software pipelining buffers
+            _sparse_mla_decode_kernel[grid](*args, **constexprs, num_stages=1)
+        if splits > 1:
+            block_hc = min(16, triton.next_power_of_2(num_heads))
+            head_blocks_c = triton.cdiv(num_heads, block_hc)
+            _sparse_mla_combine_kernel[(num_tokens * head_blocks_c,)](
+                ws_acc, ws_ml, sink, sink.stride(0),
+                out, out.stride(0), out.stride(1), out.stride(2),
+                lse, lse.stride(0), lse.stride(1),
+                num_heads, head_blocks_c, splits,
+                BLOCK_H=block_hc, DV=head_dim_v, DV_PAD=4 * pv, HAS_SINK=attn_sink is not None,
+                num_warps=4,
+            )

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The whole GPU check in one call (for the lent H200, or any CUDA machine): the full test suite (its
-# CUDA tests included: parity, manual CUDA-graph capture/replay, reduce-overhead capture) and the
-# benchmarks. Logs and the benchmark table go to $OUT (default ./gpu_out).
-#   bash scripts/gpu_suite.sh [tests|bench|all] [test files, relative to the repo (default: tests/)]
+# CUDA tests included: parity, manual CUDA-graph capture/replay, reduce-overhead capture), the demo and
+# the benchmarks. Logs and the benchmark table go to $OUT (default ./gpu_out).
+#   bash scripts/gpu_suite.sh [tests|demo|bench|all] [test files, relative to the repo (default: tests/)]
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WHAT=${1:-all}; shift || true
@@ -26,6 +26,10 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   targets=("$REPO/tests"); [ $# -gt 0 ] && targets=("${@/#/$REPO/}")
   python3 -m pytest -q -rs -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest.log"
   rc=${PIPESTATUS[0]}
+fi
+if [ "$WHAT" = demo ] || [ "$WHAT" = all ]; then
+  python3 -m torch_sparse_mla.demo 2>&1 | tee "$OUT/demo.log"
+  [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   python3 -m torch_sparse_mla.bench all --out "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"

@@ -1,0 +1,632 @@
+"""Tests of sparse_mla_decode (SPEC section 6) and of the shared cache decoding (ops/_formats.py).
+
+Sections: schema snapshot, reference parity (CPU kernel), Triton interpreter parity, opcheck,
+torch.compile, error messages, CUDA. The reference below is naive and independent of the library:
+Python loops over tokens and list entries, slots decoded one at a time by tests/formats_reference.py,
+float64 math. Every cache slot that no valid entry selects holds NaN bytes (make_cache), and entries
+past ``topk_length`` point at such slots, so a kernel that reads anything it should not fails.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import torch_sparse_mla
+from torch_sparse_mla.ops import sparse_mla as mla_ops
+from torch_sparse_mla.ops._formats import FORMAT_IDS, dequantize_torch, load_kv_tile
+
+from common import assert_no_recompiles, poison, requires_cuda, requires_interpreter
+import formats_reference as fr
+
+_ops = torch.ops.sparse_mla
+
+
+# =====================================================================================================
+# Inputs and the naive reference
+# =====================================================================================================
+
+
+@dataclasses.dataclass(frozen=True)
+class Spec:
+    kv_format: str = "fp8_656"
+    T: int = 2
+    H: int = 16
+    K: int = 64
+    K2: int = 0  # extra list width (0: no extra cache)
+    dim: int | None = None  # auto only (default 576)
+    head_dim_v: int = 512
+    dtype: torch.dtype = torch.bfloat16
+    lengths: bool = False  # topk_length (and extra_topk_length), including values outside [0, K]
+    sink: str | None = None  # None, "finite" or "inf" (a mix of finite, +inf and -inf)
+    bad_indices: bool = False  # -1, negative and past-the-end entries
+    empty_row: bool = False  # token 0 has no valid candidate
+    page_pad: int = 0
+    noncontig_q: bool = False
+    scale: float = 0.06  # softmax_scale (0.3 gives peaky softmaxes)
+    page_size: int = 16
+    pool: int = 96  # filled (non-NaN) slots per cache; indices are drawn from them (duplicates happen)
+
+    @property
+    def D(self) -> int:
+        return fr.DIM.get(self.kv_format, self.dim or 576)
+
+    def __str__(self) -> str:
+        parts = [self.kv_format, f"T{self.T}", f"H{self.H}", f"K{self.K}"]
+        if self.K2:
+            parts.append(f"K2_{self.K2}")
+        if self.kv_format == "auto" and self.dim:
+            parts.append(f"D{self.dim}")
+        if self.head_dim_v != 512:
+            parts.append(f"dv{self.head_dim_v}")
+        if self.dtype != torch.bfloat16:
+            parts.append(str(self.dtype).replace("torch.", ""))
+        for flag in ("lengths", "bad_indices", "empty_row", "noncontig_q"):
+            if getattr(self, flag):
+                parts.append(flag)
+        if self.sink:
+            parts.append(f"sink_{self.sink}")
+        if self.page_pad:
+            parts.append(f"pad{self.page_pad}")
+        if self.scale != 0.06:
+            parts.append(f"scale{self.scale}")
+        return "-".join(parts)
+
+
+def _make_cache(spec: Spec, gen: torch.Generator):
+    """A poisoned cache with ``spec.pool`` filled slots; returns ``(cache, filled, poisoned)`` slots."""
+    pages = max(4, math.ceil(2 * spec.pool / spec.page_size))
+    cache = fr.make_cache(pages, spec.page_size, spec.kv_format, dim=spec.D, dtype=spec.dtype,
+                          page_pad=spec.page_pad)
+    perm = torch.randperm(pages * spec.page_size, generator=gen)
+    filled, poisoned = perm[: spec.pool], perm[spec.pool:]
+    # Rows of very different magnitudes exercise the per-tile scales.
+    values = torch.randn(spec.pool, spec.D, generator=gen) * 2.0 ** torch.randint(-2, 3, (spec.pool, 1), generator=gen)
+    fr.fill_cache(cache, filled.tolist(), values, spec.kv_format)
+    return cache, filled, poisoned
+
+
+def _make_list(spec: Spec, width: int, cache_info, gen: torch.Generator):
+    """int32 ``[T, width]`` lists drawn from the filled slots (duplicates happen), and lengths or None."""
+    cache, filled, poisoned = cache_info
+    num_slots = cache.shape[0] * cache.shape[1]
+    idx = filled[torch.randint(0, len(filled), (spec.T, width), generator=gen)]
+    lengths = None
+    if spec.lengths and spec.T > 0:
+        lengths = torch.randint(-2, width + 3, (spec.T,), generator=gen)
+        lengths[-1] = width + 5  # past K: clamped
+        if spec.T > 1:
+            lengths[0] = max(1, width // 2)
+        col = torch.arange(width)
+        unused = col[None, :] >= lengths.clamp(0, width)[:, None]
+        # Entries past the length point at NaN slots: they must not be read.
+        nan_slots = poisoned[torch.randint(0, len(poisoned), (spec.T, width), generator=gen)]
+        idx = torch.where(unused, nan_slots, idx)
+        lengths = lengths.to(torch.int32)
+    if spec.bad_indices:
+        bad = torch.tensor([-1, -2, num_slots, num_slots + 7, 2**31 - 1, -(2**31)])
+        where = torch.rand(spec.T, width, generator=gen) < 0.3
+        idx = torch.where(where, bad[torch.randint(0, len(bad), (spec.T, width), generator=gen)], idx)
+    if spec.empty_row and spec.T > 0:
+        idx[0] = torch.where(torch.arange(width) % 2 == 0, -1, num_slots + 3)
+    return idx.to(torch.int32), lengths
+
+
+def make_inputs(spec: Spec, seed: int = 0, value_seed: int | None = None) -> dict:
+    """CPU keyword arguments of ``sparse_mla_decode`` for ``spec``. The caches depend on ``seed`` only;
+    ``value_seed`` (default ``seed``) draws q, the lists, lengths and sinks, so inputs made with one
+    ``seed`` and several ``value_seed`` share their caches' contents."""
+    gen = torch.Generator().manual_seed(seed)
+    main = _make_cache(spec, gen)
+    # The extra cache has its own page size and padding: the kernels must not mix up the two layouts.
+    extra_spec = dataclasses.replace(spec, page_size=spec.page_size // 2, page_pad=spec.page_pad * 2 + 3)
+    extra = _make_cache(extra_spec, gen) if spec.K2 else None
+    gen = torch.Generator().manual_seed(1000 + (seed if value_seed is None else value_seed))
+    idx, lengths = _make_list(spec, spec.K, main, gen)
+    if spec.noncontig_q:
+        q = torch.randn(spec.T, spec.D, spec.H, generator=gen).to(spec.dtype).transpose(1, 2)
+    else:
+        q = torch.randn(spec.T, spec.H, spec.D, generator=gen).to(spec.dtype)
+    kwargs = dict(q=q, kv_cache=main[0], indices=idx, softmax_scale=spec.scale, kv_format=spec.kv_format,
+                  head_dim_v=spec.head_dim_v, topk_length=lengths)
+    if spec.K2:
+        xidx, xlengths = _make_list(spec, spec.K2, extra, gen)
+        kwargs.update(extra_kv_cache=extra[0], extra_indices=xidx, extra_topk_length=xlengths)
+    if spec.sink == "finite":
+        kwargs["attn_sink"] = torch.randn(spec.H, generator=gen) * 2
+    elif spec.sink == "inf":
+        sink = torch.randn(spec.H, generator=gen)
+        sink[0::3] = float("inf")
+        sink[1::3] = float("-inf")
+        kwargs["attn_sink"] = sink
+    return kwargs
+
+
+def reference(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=512, topk_length=None,
+              attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
+    """float64 ``(out, lse)``, one token and one list entry at a time."""
+    num_tokens, num_heads, _ = q.shape
+    out = torch.zeros(num_tokens, num_heads, head_dim_v, dtype=torch.float64)
+    lse = torch.full((num_tokens, num_heads), math.inf, dtype=torch.float64)
+    lists = [(kv_cache, indices, topk_length)]
+    if extra_kv_cache is not None:
+        lists.append((extra_kv_cache, extra_indices, extra_topk_length))
+    decoded = {}
+    for t in range(num_tokens):
+        keys = []
+        for which, (cache, idx, lengths) in enumerate(lists):
+            width = idx.shape[1]
+            n = width if lengths is None else min(max(int(lengths[t]), 0), width)
+            num_slots = cache.shape[0] * cache.shape[1]
+            for j in range(n):
+                slot = int(idx[t, j])
+                if 0 <= slot < num_slots:
+                    if (which, slot) not in decoded:
+                        decoded[(which, slot)] = fr.read_slot(cache, slot, kv_format)
+                    keys.append(decoded[(which, slot)])
+        if not keys:
+            continue
+        k = torch.stack(keys)
+        scores = softmax_scale * (q[t].to(torch.float64) @ k.T)  # [H, n]
+        m = scores.max(dim=1, keepdim=True).values
+        e = torch.exp(scores - m)
+        total = e.sum(dim=1)
+        lse[t] = m[:, 0] + torch.log(total)
+        o = (e / total[:, None]) @ k[:, :head_dim_v]
+        if attn_sink is not None:
+            o = o / (1 + torch.exp(attn_sink.to(torch.float64) - lse[t]))[:, None]
+        out[t] = o
+    return out, lse
+
+
+def assert_matches(out, lse, ref_out, ref_lse, *, tensor_cores: bool, rounded_k: bool = False):
+    """Within bf16 rounding of the float64 reference.
+
+    Scores are float32 on every path (the fp8_656 scales are applied after the tensor-core product of
+    the raw e4m3 values), so ``lse`` is close to float64. ``tensor_cores``: P and V were rounded to
+    the MMA dtype (relative 2^-9 each) before ``P @ V``; otherwise only the output's own rounding
+    remains. With the tests' data these bounds hold with a margin of about 3x. ``rounded_k``: the
+    generic tensor-core path of fp8_656 with ``head_dim_v != 512`` rounds the dequantised K itself, so
+    each score carries up to ~2^-9 of ``scale * sum |q k|``.
+    """
+    out, lse = out.cpu().to(torch.float64), lse.cpu().to(torch.float64)
+    assert not out.isnan().any(), "NaN in out"
+    assert not lse.isnan().any(), "NaN in lse"
+    no_candidate = torch.isinf(ref_lse)
+    assert torch.equal(torch.isinf(lse), no_candidate), "lse = +inf exactly for the tokens without candidates"
+    assert (lse[no_candidate] > 0).all()
+    assert (out[no_candidate] == 0).all(), "out = 0 for the tokens without candidates"
+    vmax = ref_out.abs().max().item() if ref_out.numel() else 0.0
+    if rounded_k:
+        lse_tol, out_atol, out_rtol = 5e-2, 2**-5 * vmax, 2**-5
+    elif tensor_cores:
+        lse_tol, out_atol, out_rtol = 5e-4, 2**-7 * vmax, 2**-7
+    else:
+        lse_tol, out_atol, out_rtol = 1e-4, 1e-5 * vmax, 2**-8
+    torch.testing.assert_close(lse[~no_candidate], ref_lse[~no_candidate], atol=lse_tol, rtol=0)
+    torch.testing.assert_close(out, ref_out, atol=out_atol, rtol=out_rtol)
+
+
+def _outputs_like(kwargs, device="cpu"):
+    q = kwargs["q"]
+    out = poison(torch.empty(q.shape[0], q.shape[1], kwargs["head_dim_v"], dtype=q.dtype, device=device))
+    lse = poison(torch.empty(q.shape[0], q.shape[1], dtype=torch.float32, device=device))
+    return out, lse
+
+
+_ARG_ORDER = ("q", "kv_cache", "indices", "softmax_scale", "kv_format", "head_dim_v", "topk_length", "attn_sink",
+              "extra_kv_cache", "extra_indices", "extra_topk_length")
+
+
+def _positional(kwargs):
+    return tuple(kwargs.get(name) for name in _ARG_ORDER)
+
+
+def _storage_to(t: torch.Tensor, device) -> torch.Tensor:
+    """``t`` on ``device`` with the same strides and storage offset (keeps padded page strides)."""
+    n = t.untyped_storage().nbytes() // t.element_size()
+    flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (n,), (1,))
+    return flat.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _to_device(kwargs, device):
+    return {k: (_storage_to(v, device) if isinstance(v, torch.Tensor) else v) for k, v in kwargs.items()}
+
+
+# =====================================================================================================
+# Schema snapshot
+# =====================================================================================================
+
+
+def test_schema():
+    assert_expected_inline(
+        str(_ops.sparse_mla_decode.default._schema),
+        """sparse_mla::sparse_mla_decode(Tensor q, Tensor kv_cache, Tensor indices, float softmax_scale, str kv_format="auto", int head_dim_v=512, Tensor? topk_length=None, Tensor? attn_sink=None, Tensor? extra_kv_cache=None, Tensor? extra_indices=None, Tensor? extra_topk_length=None) -> (Tensor out, Tensor lse)""",
+    )
+    assert_expected_inline(
+        str(_ops.sparse_mla_decode.out._schema),
+        """sparse_mla::sparse_mla_decode.out(Tensor q, Tensor kv_cache, Tensor indices, float softmax_scale, str kv_format="auto", int head_dim_v=512, Tensor? topk_length=None, Tensor? attn_sink=None, Tensor? extra_kv_cache=None, Tensor? extra_indices=None, Tensor? extra_topk_length=None, *, Tensor(a!) out, Tensor(b!) lse) -> ()""",
+    )
+
+
+# =====================================================================================================
+# Reference parity (CPU kernel, through the public function)
+# =====================================================================================================
+
+_SHAPES = [(2, 1, 1), (3, 16, 7), (2, 20, 64), (2, 64, 100), (1, 128, 2048)]
+_PARITY = [Spec(kv_format=f, T=t, H=h, K=k) for f in fr.FORMATS for t, h, k in _SHAPES] + [
+    Spec(kv_format=f, T=4, H=20, K=40, K2=24, lengths=True, sink="finite", bad_indices=True, empty_row=True,
+         page_pad=5, noncontig_q=True)
+    for f in fr.FORMATS
+] + [
+    Spec(kv_format="fp8_656", T=3, H=16, K=64, lengths=True),
+    Spec(kv_format="fp8_584", T=3, H=16, K=64, sink="finite"),
+    Spec(kv_format="fp8_656", T=3, H=24, K=32, sink="inf"),
+    Spec(kv_format="fp8_584", T=3, H=16, K=48, K2=100),
+    Spec(kv_format="fp8_656", T=3, H=16, K=48, K2=20, lengths=True),
+    Spec(kv_format="auto", T=3, H=16, K=64, bad_indices=True, empty_row=True),
+    Spec(kv_format="fp8_584", T=2, H=16, K=64, page_pad=3),
+    Spec(kv_format="auto", T=2, H=16, K=64, page_pad=7, noncontig_q=True, dtype=torch.float16),
+    Spec(kv_format="fp8_656", T=2, H=16, K=64, scale=0.3),
+    Spec(kv_format="fp8_656", T=2, H=16, K=64, head_dim_v=448),
+    Spec(kv_format="auto", T=2, H=16, K=64, dim=96, head_dim_v=64, K2=8),
+]
+
+
+@pytest.mark.parametrize("spec", _PARITY, ids=str)
+def test_reference_parity(spec):
+    kwargs = make_inputs(spec)
+    ref_out, ref_lse = reference(**kwargs)
+    out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
+    assert out.dtype == spec.dtype and out.shape == (spec.T, spec.H, spec.head_dim_v)
+    assert lse.dtype == torch.float32 and lse.shape == (spec.T, spec.H)
+    assert_matches(out, lse, ref_out, ref_lse, tensor_cores=False)
+
+
+def test_out_overload_writes_every_element():
+    kwargs = make_inputs(Spec(kv_format="fp8_584", T=3, H=20, K=16, lengths=True, empty_row=True, sink="inf"))
+    out, lse = _outputs_like(kwargs)
+    out_t = poison(torch.empty(3, 512, 20, dtype=torch.bfloat16)).transpose(1, 2)  # a strided buffer
+    got = torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out_t, lse))
+    assert got[0] is out_t and got[1] is lse
+    assert_matches(out_t, lse, *reference(**kwargs), tensor_cores=False)
+
+
+def test_duplicates_count_separately():
+    spec = Spec(kv_format="auto", T=1, H=1, K=3, dim=64, head_dim_v=64, pool=2)
+    kwargs = make_inputs(spec)
+    a, b = kwargs["indices"][0, 0].item(), kwargs["indices"][0, 1].item()
+    kwargs["indices"] = torch.tensor([[a, a, b]], dtype=torch.int32)
+    out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
+    k = fr.dequantize(kwargs["kv_cache"], [a, b], "auto")
+    s = kwargs["softmax_scale"] * (kwargs["q"][0, 0].double() @ k.T)
+    expected_lse = torch.logsumexp(torch.stack([s[0], s[0], s[1]]), 0)
+    assert abs(lse.item() - expected_lse.item()) < 1e-4
+
+
+def test_sink_limits():
+    """+inf sink: zeros; -inf sink: identical to no sink; lse never includes the sink."""
+    kwargs = make_inputs(Spec(kv_format="fp8_656", T=2, H=3, K=8))
+    base_out, base_lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
+    sink = torch.tensor([float("inf"), float("-inf"), 0.0])
+    out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs, attn_sink=sink)
+    assert torch.equal(lse, base_lse)
+    assert (out[:, 0] == 0).all()
+    assert torch.equal(out[:, 1], base_out[:, 1])
+    factor = torch.sigmoid(base_lse[:, 2].double())
+    torch.testing.assert_close(out[:, 2].double(), base_out[:, 2].double() * factor[:, None], atol=1e-2, rtol=2**-7)
+
+
+def test_empty_batch():
+    kwargs = make_inputs(Spec(kv_format="fp8_656", T=0, H=16, K=4))
+    out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
+    assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
+
+
+def test_dequantize_torch_matches_reference():
+    for kv_format in fr.FORMATS:
+        kwargs = make_inputs(Spec(kv_format=kv_format, T=2, K=9, page_pad=3, bad_indices=True))
+        cache, idx = kwargs["kv_cache"], kwargs["indices"]
+        got = dequantize_torch(cache, idx, kv_format)
+        num_slots = cache.shape[0] * cache.shape[1]
+        for t in range(2):
+            for j in range(9):
+                s = int(idx[t, j])
+                want = fr.read_slot(cache, s, kv_format).float() if 0 <= s < num_slots else torch.zeros(got.shape[-1])
+                assert torch.equal(got[t, j], want), (kv_format, t, j)
+
+
+# =====================================================================================================
+# Triton interpreter parity (CPU tensors through the Triton interpreter; fp16: bf16 dots are wrong there)
+# =====================================================================================================
+
+_INTERP = [
+    (Spec(kv_format=f, T=2, H=16, K=40, dtype=torch.float16), None) for f in fr.FORMATS
+] + [
+    (Spec(kv_format=f, T=3, H=20, K=70, K2=40, dtype=torch.float16, lengths=True, sink="inf", bad_indices=True,
+          empty_row=True, page_pad=5, noncontig_q=True), 3)
+    for f in fr.FORMATS
+] + [
+    (Spec(kv_format="fp8_656", T=1, H=128, K=64, dtype=torch.float16, sink="finite"), None),
+    (Spec(kv_format="fp8_584", T=1, H=80, K=200, K2=64, dtype=torch.float16, lengths=True), 4),
+    (Spec(kv_format="auto", T=2, H=1, K=1, dtype=torch.float16), None),
+    (Spec(kv_format="auto", T=2, H=3, K=20, dim=96, head_dim_v=64, K2=5, dtype=torch.float16), 2),
+    (Spec(kv_format="fp8_656", T=2, H=16, K=64, dtype=torch.float16, head_dim_v=448), None),
+    (Spec(kv_format="fp8_584", T=2, H=16, K=64, dtype=torch.float16, head_dim_v=256, scale=0.3), None),
+]
+
+
+def _rounds_k(spec: Spec) -> bool:
+    return spec.kv_format == "fp8_656" and spec.head_dim_v != 512
+
+
+@requires_interpreter
+@pytest.mark.parametrize("spec,num_splits", _INTERP, ids=lambda x: str(x) if isinstance(x, Spec) else f"splits{x}")
+def test_triton_interpreter_parity(spec, num_splits):
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out, lse, num_splits=num_splits)
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True, rounded_k=_rounds_k(spec))
+
+
+@requires_interpreter
+def test_triton_interpreter_split_heuristic():
+    """T * head blocks far below the SM count: the launcher splits the list (and still matches)."""
+    spec = Spec(kv_format="fp8_584", T=1, H=16, K=1024, dtype=torch.float16, lengths=True)
+    plan = mla_ops._plan(1, 16, 1024, 132)
+    assert plan["num_splits"] > 1
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out, lse)
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("kv_format", fr.FORMATS)
+def test_load_kv_tile_interpreter(kv_format):
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def tile_kernel(cache_ptr, stride_page, stride_row, page_size, num_slots, slots_ptr, out_ptr, stride_out,
+                    N: tl.constexpr, COL0: tl.constexpr, CHUNK: tl.constexpr, KV_FORMAT: tl.constexpr):
+        rows = tl.arange(0, N)
+        slots = tl.load(slots_ptr + rows).to(tl.int64)
+        valid = (slots >= 0) & (slots < num_slots)
+        vals = load_kv_tile(cache_ptr, stride_page, stride_row, page_size, slots, valid, COL0, CHUNK, KV_FORMAT)
+        cols = COL0 + tl.arange(0, CHUNK)
+        tl.store(out_ptr + rows[:, None] * stride_out + cols[None, :], vals)
+
+    kwargs = make_inputs(Spec(kv_format=kv_format, T=1, K=16, page_pad=3, bad_indices=True, dtype=torch.float16))
+    cache, slots = kwargs["kv_cache"], kwargs["indices"][0]
+    dim = fr.DIM.get(kv_format, 576)
+    want = dequantize_torch(cache, slots, kv_format)
+    pieces = [(0, 128), (128, 256), (384, 128), (448, 64), (512, 64), (0, 512)]
+    if kv_format == "fp8_584":
+        pieces.append((384, 256))  # crosses the fp8 / bf16 boundary and D
+    for col0, chunk in pieces:
+        if col0 + chunk > dim and kv_format == "auto" or col0 >= dim:
+            continue
+        got = torch.full((16, col0 + chunk), float("nan"))
+        tile_kernel[(1,)](cache, cache.stride(0), cache.stride(1), cache.shape[1], cache.shape[0] * cache.shape[1],
+                          slots, got, got.stride(0), N=16, COL0=col0, CHUNK=chunk, KV_FORMAT=FORMAT_IDS[kv_format])
+        end = min(col0 + chunk, dim)
+        assert torch.equal(got[:, col0:end], want[:, col0:end]), (col0, chunk)
+        assert (got[:, end:] == 0).all()
+
+
+# =====================================================================================================
+# opcheck
+# =====================================================================================================
+
+
+def _opcheck_kwargs(device="cpu"):
+    return _to_device(make_inputs(Spec(kv_format="fp8_656", T=3, H=4, K=8, K2=4, lengths=True, sink="finite")),
+                      device)
+
+
+def test_opcheck_functional():
+    args = _positional(_opcheck_kwargs())
+    torch.library.opcheck(_ops.sparse_mla_decode.default, args)
+
+
+def test_opcheck_out():
+    kwargs = _opcheck_kwargs()
+    out, lse = _outputs_like(kwargs)
+    torch.library.opcheck(_ops.sparse_mla_decode.out, _positional(kwargs), {"out": out, "lse": lse})
+
+
+# =====================================================================================================
+# torch.compile: one frame across batch sizes, functional and out overloads
+# =====================================================================================================
+
+
+def test_compile_no_recompiles():
+    def step(q, kv_cache, indices, topk_length, attn_sink):
+        out, lse = torch_sparse_mla.sparse_mla_decode(q, kv_cache, indices, softmax_scale=0.06, kv_format="fp8_584",
+                                                      topk_length=topk_length, attn_sink=attn_sink)
+        out2 = torch.empty_like(out)
+        lse2 = torch.empty_like(lse)
+        torch_sparse_mla.sparse_mla_decode(q, kv_cache, indices, softmax_scale=0.06, kv_format="fp8_584",
+                                           topk_length=topk_length, attn_sink=attn_sink, out=(out2, lse2))
+        return out, lse, out2, lse2
+
+    arg_sets, refs = [], []
+    for t in (2, 3, 5):
+        kw = make_inputs(Spec(kv_format="fp8_584", T=t, H=8, K=12, lengths=True, sink="finite"), seed=t)
+        arg_sets.append((kw["q"], kw["kv_cache"], kw["indices"], kw["topk_length"], kw["attn_sink"]))
+        refs.append(reference(**kw))
+
+    def check(args, result):
+        ref_out, ref_lse = next(r for a, r in zip(arg_sets, refs) if a[0] is args[0])
+        out, lse, out2, lse2 = result
+        assert_matches(out, lse, ref_out, ref_lse, tensor_cores=False)
+        assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+    assert_no_recompiles(step, arg_sets, check)
+
+
+# =====================================================================================================
+# Error messages
+# =====================================================================================================
+
+
+def _bad(**changes):
+    def make():
+        kwargs = make_inputs(Spec(kv_format="fp8_656", T=2, H=4, K=8))
+        for name, fn in changes.items():
+            kwargs[name] = fn(kwargs)
+        return kwargs
+
+    return make
+
+
+_ERRORS = [
+    ("q_dtype", _bad(q=lambda k: k["q"].float()), r"q: expected dtype bfloat16 or float16, got float32"),
+    ("q_rank", _bad(q=lambda k: k["q"][0]), r"q: expected a 3-D tensor"),
+    ("too_many_heads", _bad(q=lambda k: torch.zeros(2, 129, 576, dtype=torch.bfloat16)),
+     r"q: expected 1 <= shape\[1\]"),
+    ("q_dim", _bad(q=lambda k: k["q"][:, :, :512]),
+     r"q: expected shape\[2\] == 576 \(values per slot of the fp8_656 kv_cache\)"),
+    ("format", _bad(kv_format=lambda k: "fp8"), r"kv_format: expected one of"),
+    ("cache_dtype", _bad(kv_cache=lambda k: k["kv_cache"].view(torch.int8)), r"kv_cache: expected dtype uint8"),
+    ("cache_width", _bad(kv_cache=lambda k: k["kv_cache"][:, :, :584]), r"kv_cache: expected shape\[-1\] == 656"),
+    ("auto_cache_dtype", _bad(kv_format=lambda k: "auto",
+                              kv_cache=lambda k: torch.zeros(2, 4, 576, dtype=torch.float16)),
+     r"kv_cache: expected dtype bfloat16"),
+    ("auto_cache_stride", _bad(kv_format=lambda k: "auto",
+                               kv_cache=lambda k: torch.zeros(2, 576, 4, dtype=torch.bfloat16).transpose(1, 2)),
+     r"kv_cache: expected stride\(-1\) == 1"),
+    ("pages_overlap", _bad(kv_cache=lambda k: torch.as_strided(k["kv_cache"], (4, 16, 656), (656, 656, 1))),
+     r"kv_cache: expected stride\(0\) >= page_size \* 656"),
+    ("indices_dtype", _bad(indices=lambda k: k["indices"].long()), r"indices: expected dtype int32, got int64"),
+    ("indices_rows", _bad(indices=lambda k: k["indices"][:1]), r"indices: expected shape\[0\] == q.shape\[0\]"),
+    ("indices_empty", _bad(indices=lambda k: k["indices"][:, :0]), r"indices: expected at least one column"),
+    ("topk_length", _bad(topk_length=lambda k: torch.zeros(3, dtype=torch.int32)),
+     r"topk_length: expected shape\[0\] == q.shape\[0\]"),
+    ("sink_dtype", _bad(attn_sink=lambda k: torch.zeros(4, dtype=torch.bfloat16)),
+     r"attn_sink: expected dtype float32"),
+    ("sink_heads", _bad(attn_sink=lambda k: torch.zeros(5)), r"attn_sink: expected shape\[0\] == q.shape\[1\]"),
+    ("head_dim_v", _bad(head_dim_v=lambda k: 600), r"head_dim_v: expected <= q.shape\[2\] \(576\), got 600"),
+    ("extra_alone", _bad(extra_kv_cache=lambda k: k["kv_cache"]), r"extra_kv_cache / extra_indices: expected both"),
+    ("extra_length_alone", _bad(extra_topk_length=lambda k: torch.zeros(2, dtype=torch.int32)),
+     r"extra_topk_length: given without"),
+    ("extra_format", _bad(extra_kv_cache=lambda k: torch.zeros(2, 4, 584, dtype=torch.uint8),
+                          extra_indices=lambda k: k["indices"]), r"extra_kv_cache: expected shape\[-1\] == 656"),
+]
+
+
+@pytest.mark.parametrize("make,match", [(m, r) for _, m, r in _ERRORS], ids=[i for i, _, _ in _ERRORS])
+def test_errors(make, match):
+    with pytest.raises(ValueError, match=match):
+        torch_sparse_mla.sparse_mla_decode(**make())
+
+
+def test_error_out_buffers():
+    kwargs = make_inputs(Spec(kv_format="fp8_656", T=2, H=4, K=8))
+    out, lse = _outputs_like(kwargs)
+    with pytest.raises(ValueError, match=r"out: expected shape\[2\] == head_dim_v \(512\)"):
+        torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out[:, :, :256], lse))
+    with pytest.raises(ValueError, match=r"out: expected dtype bfloat16, got float16"):
+        torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out.half(), lse))
+    with pytest.raises(ValueError, match=r"lse: expected dtype float32, got float64"):
+        torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out, lse.double()))
+    with pytest.raises(ValueError, match=r"lse: expected shape\[1\] == q.shape\[1\] \(4\)"):
+        torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out, lse[:, :2]))
+
+
+# =====================================================================================================
+# CUDA
+# =====================================================================================================
+
+_CUDA = [Spec(kv_format=f, T=t, H=h, K=k) for f in fr.FORMATS for t, h, k in
+         [(2, 1, 1), (3, 20, 100), (4, 128, 2048), (40, 64, 300), (150, 16, 64)]] + [
+    Spec(kv_format=f, T=5, H=20, K=70, K2=40, lengths=True, sink="inf", bad_indices=True, empty_row=True,
+         page_pad=5, noncontig_q=True) for f in fr.FORMATS
+] + [
+    Spec(kv_format="fp8_656", T=4, H=128, K=512, dtype=torch.float16, sink="finite"),
+    Spec(kv_format="auto", T=4, H=16, K=64, dtype=torch.float16, page_pad=7),
+    Spec(kv_format="auto", T=3, H=8, K=20, dim=96, head_dim_v=64, K2=5),
+    Spec(kv_format="fp8_584", T=2, H=80, K=128, K2=512, lengths=True, page_pad=64),
+    Spec(kv_format="fp8_656", T=3, H=16, K=64, head_dim_v=448),
+    Spec(kv_format="fp8_656", T=3, H=32, K=256, scale=0.3),
+]
+
+
+@requires_cuda
+@pytest.mark.parametrize("spec", _CUDA, ids=str)
+def test_cuda_parity(spec):
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs, "cuda")
+    torch_sparse_mla.sparse_mla_decode(**_to_device(kwargs, "cuda"), out=(out, lse))
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True, rounded_k=_rounds_k(spec))
+
+
+@requires_cuda
+def test_cuda_functional_matches_out():
+    kwargs = _to_device(make_inputs(Spec(kv_format="fp8_656", T=4, H=128, K=256, lengths=True)), "cuda")
+    out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
+    out2, lse2 = _outputs_like(kwargs, "cuda")
+    torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out2, lse2))
+    assert torch.equal(out, out2) and torch.equal(lse, lse2)
+
+
+@requires_cuda
+@pytest.mark.parametrize("num_tokens", [4, 160], ids=lambda t: f"T{t}")  # split and non-split plans
+def test_cuda_graph_capture(num_tokens):
+    spec = Spec(kv_format="fp8_584", T=num_tokens, H=64, K=256, K2=32, lengths=True, sink="finite")
+    first = make_inputs(spec, seed=0)
+    static = _to_device(first, "cuda")
+    out, lse = _outputs_like(first, "cuda")
+    args = _positional(static)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _ops.sparse_mla_decode.out(*args, out=out, lse=lse)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _ops.sparse_mla_decode.out(*args, out=out, lse=lse)
+    for seed in (1, 2, 3):
+        # Same caches (the content is the caller's state), new queries, lists, lengths and sinks.
+        new = make_inputs(spec, seed=0, value_seed=seed)
+        for name in ("q", "indices", "topk_length", "attn_sink", "extra_indices", "extra_topk_length"):
+            static[name].copy_(new[name])
+        poison(out)
+        poison(lse)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_matches(out, lse, *reference(**new), tensor_cores=True)
+
+
+@requires_cuda
+def test_cuda_compile_reduce_overhead():
+    spec = Spec(kv_format="fp8_656", T=8, H=16, K=128, lengths=True, sink="finite")
+    first = make_inputs(spec, seed=0)
+
+    class Decoder(torch.nn.Module):
+        def __init__(self, kwargs):
+            super().__init__()
+            self.register_buffer("kv_cache", _storage_to(kwargs["kv_cache"], "cuda"))
+            self.register_buffer("attn_sink", kwargs["attn_sink"].cuda())
+
+        def forward(self, q, indices, topk_length):
+            out, lse = torch_sparse_mla.sparse_mla_decode(
+                q, self.kv_cache, indices, softmax_scale=spec.scale, kv_format="fp8_656", topk_length=topk_length,
+                attn_sink=self.attn_sink)
+            return out * 1, lse
+
+    model = Decoder(first)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(model, mode="reduce-overhead", fullgraph=True)
+    for seed in (0, 1, 2, 3, 4):
+        new = make_inputs(spec, seed=0, value_seed=seed)
+        new["attn_sink"] = first["attn_sink"]
+        out, lse = step(new["q"].cuda(), new["indices"].cuda(), new["topk_length"].cuda())
+        assert_matches(out.clone(), lse.clone(), *reference(**new), tensor_cores=True)
+    assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
