@@ -103,8 +103,9 @@ def check_kv_cache(name: str, kv_cache, kv_format: str, *, device=None, dtype=No
 def _page_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     """``[pages, page_size * bytes_per_token]`` uint8 view of the pages (``fp8_584`` ignores stride(1))."""
     pages, page_size, width = kv_cache.shape
-    return torch.as_strided(kv_cache, (pages, page_size * width), (kv_cache.stride(0), 1),
-                            kv_cache.storage_offset())
+    # No storage_offset argument: as_strided keeps the view's own, and the expression stays traceable
+    # by torch.compile (the benchmark compiles it as the reference).
+    return torch.as_strided(kv_cache, (pages, page_size * width), (kv_cache.stride(0), 1))
 
 
 def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str) -> torch.Tensor:

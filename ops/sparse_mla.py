@@ -398,7 +398,8 @@ def _num_sms(device: torch.device) -> int:
     return _DEFAULT_SMS
 
 
-def _plan(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None) -> dict:
+def _plan(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None,
+          overrides: dict | None = None) -> dict:
     """Launch configuration from shapes only (no autotune: it would re-run inside CUDA-graph capture).
 
     - ``BLOCK_H = clamp(next_pow2(H), 16, 64)``: no padding of the work to 64 or 128 heads; H > 64
@@ -410,15 +411,16 @@ def _plan(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_split
     - split-K when ``T * head_blocks`` programs do not fill the SMs, keeping at least
       ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks per split.
     """
-    block_h = min(64, max(16, triton.next_power_of_2(num_heads)))
+    overrides = overrides or {}
+    block_h = overrides.get("block_h", min(64, max(16, triton.next_power_of_2(num_heads))))
     head_blocks = triton.cdiv(num_heads, block_h)
-    block_n = 32
+    block_n = overrides.get("block_n", 32)
     if num_splits is None:
         programs = max(num_tokens * head_blocks, 1)
         blocks = triton.cdiv(k_total, block_n)
         num_splits = max(1, min(triton.cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
-    return dict(block_h=block_h, head_blocks=head_blocks, block_n=block_n, num_warps=8, num_stages=2,
-                num_splits=num_splits)
+    return dict(block_h=block_h, head_blocks=head_blocks, block_n=block_n, num_warps=overrides.get("num_warps", 8),
+                num_stages=overrides.get("num_stages", 2), num_splits=num_splits)
 
 
 def _pieces(dim: int, head_dim_v: int) -> tuple[int, int, int]:
@@ -431,16 +433,18 @@ def _pieces(dim: int, head_dim_v: int) -> tuple[int, int, int]:
 
 
 def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
-                             extra_kv_cache, extra_indices, extra_topk_length, out, lse, *, num_splits=None):
+                             extra_kv_cache, extra_indices, extra_topk_length, out, lse, *, num_splits=None,
+                             config=None):
     """CUDA kernel: launches the decode kernel (and the combine kernel when split). Arguments as
     :func:`sparse_mla_decode_torch`; ``num_splits`` overrides the heuristic (tests use it to exercise
-    the split path on small grids)."""
+    the split path on small grids) and ``config`` any of ``block_h``, ``block_n``, ``num_warps``,
+    ``num_stages`` (``scripts/sweep_mla.py`` times the alternatives)."""
     num_tokens, num_heads, dim = q.shape
     if num_tokens == 0:
         return
     has_extra = extra_kv_cache is not None
     k_total = indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
-    plan = _plan(num_tokens, num_heads, k_total, _num_sms(q.device), num_splits)
+    plan = _plan(num_tokens, num_heads, k_total, _num_sms(q.device), num_splits, config)
     pv, pt, has_tail = _pieces(dim, head_dim_v)
     splits = plan["num_splits"]
     if splits > 1:  # workspace sized from shapes only

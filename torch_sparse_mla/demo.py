@@ -93,19 +93,19 @@ def _v4_inputs(step: int, seq0: torch.Tensor, bt: torch.Tensor, cbt: torch.Tenso
 
 def _reference_mla(m: DeepSeekV4Step, inputs, window_idx, window_len, comp_idx, comp_len):
     """float64 attention over the dequantised cache entries the index lists select."""
-    q = inputs["q"].double()
+    q = inputs["q"].double().cpu()
     outs, lses = [], []
     for t in range(q.shape[0]):
-        keys = [tsm.kv_cache_gather(m.cache, window_idx[t, : int(window_len[t])], kv_format="fp8_584",
-                                    dtype=torch.float32),
-                tsm.kv_cache_gather(m.comp_cache, comp_idx[t, : int(comp_len[t])], kv_format="fp8_584",
-                                    dtype=torch.float32)]
-        k = torch.cat(keys).double()
-        k = k[torch.cat([window_idx[t, : int(window_len[t])], comp_idx[t, : int(comp_len[t])]]) >= 0]
+        window = window_idx[t, : int(window_len[t])]
+        compressed = comp_idx[t, : int(comp_len[t])]
+        keys = [tsm.kv_cache_gather(m.cache, window, kv_format="fp8_584", dtype=torch.float32),
+                tsm.kv_cache_gather(m.comp_cache, compressed, kv_format="fp8_584", dtype=torch.float32)]
+        k = torch.cat(keys).double().cpu()
+        k = k[torch.cat([window, compressed]).cpu() >= 0]
         scores = q[t] @ k.T * 512 ** -0.5
         lse = torch.logsumexp(scores, dim=-1)
         out = torch.softmax(scores, dim=-1) @ k
-        out = out * torch.sigmoid(lse - inputs["attn_sink"].double())[:, None]
+        out = out * torch.sigmoid(lse - inputs["attn_sink"].double().cpu())[:, None]
         outs.append(out)
         lses.append(lse)
     return torch.stack(outs), torch.stack(lses)
@@ -146,8 +146,8 @@ def deepseek_v4(device, compiled_mode: str | None) -> list[str]:
         inputs = _v4_inputs(step, seq0, bt, cbt, eager, heads, topk, device)
         t0 = time.perf_counter()
         out, lse, widx, wlen, cidx, clen = eager(**inputs)
-        ref_out, ref_lse = _reference_mla(eager, inputs, widx.cpu(), wlen.cpu(), cidx.cpu(), clen.cpu())
-        c_out, c_lse, *_ = [x.clone() for x in compiled_fn(**inputs)]
+        ref_out, ref_lse = _reference_mla(eager, inputs, widx, wlen, cidx, clen)
+        c_out, c_lse, *_ = [x.clone() for x in compiled_fn(**inputs)]  # clone: graph outputs are reused
         dt = time.perf_counter() - t0
         cache_same = torch.equal(compiled.cache, eager.cache) and torch.equal(compiled.comp_cache, eager.comp_cache)
         lines.append(

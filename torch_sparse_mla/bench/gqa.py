@@ -26,7 +26,7 @@ ROWS = (1, 16, 64, 256)
 QUICK_ROWS = (1, 64)
 QUERY_LENS = (1, 4)
 
-_reference = torch.compile(sparse_gqa_decode_dense, dynamic=False)
+_reference = torch.compile(sparse_gqa_decode_dense, dynamic=False, fullgraph=True)
 
 
 def _inputs(num_rows: int, decode_query_len: int, seed: int, device: str):

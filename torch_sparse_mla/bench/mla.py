@@ -37,7 +37,7 @@ CONFIGS = [
 ]
 QUICK = (0, 4)  # indices into CONFIGS
 
-_reference = torch.compile(sparse_mla_decode_dense, dynamic=False)
+_reference = torch.compile(sparse_mla_decode_dense, dynamic=False, fullgraph=True)
 
 
 def _cache(kv_format: str, num_slots: int, gen: torch.Generator, device: str) -> torch.Tensor:
