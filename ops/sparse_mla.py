@@ -404,21 +404,29 @@ def _plan(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_split
 
     - ``BLOCK_H = clamp(next_pow2(H), 16, 64)``: no padding of the work to 64 or 128 heads; H > 64
       runs ceil(H / 64) head blocks, each reading the candidate rows once.
-    - 8 warps and ``BLOCK_N = 32``: the float32 accumulator ``[64, 512]`` is 128 registers per thread
-      (64 or fewer below 64 heads) and a K piece ``[32, 128]`` 16 values per thread. Checked by
-      compiling for sm_90: these configurations spill at most ~0.3 KB per thread (fp8_656, 64 heads),
-      BLOCK_N = 64 several times more.
+    - 8 warps; the float32 accumulator ``[64, 512]`` is 128 registers per thread (64 or fewer below
+      64 heads). ``BLOCK_N`` = 64 when the grid stays full, else 32: 64 spills a little more (compile
+      for sm_90) but keeps twice the cache rows in flight, and measured faster on the H200 (sweep in
+      docs/benchmarks.md); 4 warps, 16-entry blocks and 128-head blocks (16 warps) measured slower.
     - split-K when ``T * head_blocks`` programs do not fill the SMs, keeping at least
       ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks per split.
     """
     overrides = overrides or {}
     block_h = overrides.get("block_h", min(64, max(16, triton.next_power_of_2(num_heads))))
     head_blocks = triton.cdiv(num_heads, block_h)
-    block_n = overrides.get("block_n", 32)
-    if num_splits is None:
-        programs = max(num_tokens * head_blocks, 1)
+    programs = max(num_tokens * head_blocks, 1)
+
+    def splits_for(block_n: int) -> int:
         blocks = triton.cdiv(k_total, block_n)
-        num_splits = max(1, min(triton.cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
+        return max(1, min(triton.cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
+
+    # 64-entry blocks keep more cache rows in flight (measured on the H200: 16-40% faster at T >= 128,
+    # docs/benchmarks.md), unless halving the block count leaves too few split programs to fill the
+    # SMs (T = 4, H = 128: 32-entry blocks run 25% faster).
+    block_n = 64 if programs * splits_for(64) >= num_sms else 32
+    block_n = overrides.get("block_n", block_n)
+    if num_splits is None:
+        num_splits = splits_for(block_n)
     return dict(block_h=block_h, head_blocks=head_blocks, block_n=block_n, num_warps=overrides.get("num_warps", 8),
                 num_stages=overrides.get("num_stages", 2), num_splits=num_splits)
 
