@@ -55,18 +55,27 @@ def compressed_slot_mapping_out(query_start_loc, seq_lens, block_table, block_si
 # -- c128a_topk_indices ----------------------------------------------------------------------------------
 
 
-def _check_token_lists(positions, token_to_req, block_table, slot_mapping, block_size):
-    """Arguments shared by c128a_topk_indices and swa_indices: one entry per token."""
-    check_tensor("positions", positions, dtypes=SLOT_DTYPES, ndim=1)
-    device = positions.device
+def _check_per_token(lead_name, lead, lead_dtypes, lead_ndim, token_to_req, block_table, slot_mapping,
+                     block_size):
+    """Arguments with one entry per token, the first of which (``lead``: positions or local_indices)
+    sets the device and the number of tokens."""
+    check_tensor(lead_name, lead, dtypes=lead_dtypes, ndim=lead_ndim)
+    device = lead.device
     check_tensor("token_to_req", token_to_req, dtypes=INDEX_DTYPES, ndim=1, device=device)
     check_tensor("slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=device)
     _check_block_table(block_table, device)
-    num_tokens = positions.shape[0]
-    check_size("token_to_req", token_to_req, 0, num_tokens, "len(positions)")
-    check_size("slot_mapping", slot_mapping, 0, num_tokens, "len(positions)")
+    num_tokens = lead.shape[0]
+    what = "len(positions)" if lead_ndim == 1 else f"{lead_name}.shape[0]"
+    check_size("token_to_req", token_to_req, 0, num_tokens, what)
+    check_size("slot_mapping", slot_mapping, 0, num_tokens, what)
     check_positive("block_size", block_size)
     return num_tokens
+
+
+def _check_token_lists(positions, token_to_req, block_table, slot_mapping, block_size):
+    """Arguments shared by c128a_topk_indices and swa_indices."""
+    return _check_per_token("positions", positions, SLOT_DTYPES, 1, token_to_req, block_table, slot_mapping,
+                            block_size)
 
 
 def _check_c128a(positions, token_to_req, block_table, slot_mapping, num_decode_tokens, compress_ratio,
@@ -159,15 +168,8 @@ def swa_indices_out(positions, token_to_req, block_table, slot_mapping, window, 
 
 
 def _check_topk_to_global(local_indices, token_to_req, block_table, slot_mapping, block_size):
-    check_tensor("local_indices", local_indices, dtypes=INDEX_DTYPES, ndim=2)
-    device = local_indices.device
-    check_tensor("token_to_req", token_to_req, dtypes=INDEX_DTYPES, ndim=1, device=device)
-    check_tensor("slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=device)
-    _check_block_table(block_table, device)
-    num_tokens = local_indices.shape[0]
-    check_size("token_to_req", token_to_req, 0, num_tokens, "local_indices.shape[0]")
-    check_size("slot_mapping", slot_mapping, 0, num_tokens, "local_indices.shape[0]")
-    check_positive("block_size", block_size)
+    num_tokens = _check_per_token("local_indices", local_indices, INDEX_DTYPES, 2, token_to_req, block_table,
+                                  slot_mapping, block_size)
     return num_tokens, local_indices.shape[1]
 
 
