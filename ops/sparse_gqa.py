@@ -333,7 +333,7 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
 
 
 def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len,
-                             softmax_scale, q_scale, k_scale, v_scale, out, num_splits=None):
+                             softmax_scale, q_scale, k_scale, v_scale, out, num_splits=None, config=None):
     """Launch the decode kernel (and the combine kernel when the page lists are split). Arguments as
     :func:`sparse_gqa_decode_torch`; ``num_splits`` overrides the heuristic (tests use it to cover both
     paths with small grids).
@@ -344,6 +344,8 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
     if out.numel() == 0:
         return
     cfg = launch_config(q, kv_cache, n_sel, num_splits)
+    if config:  # block_n / num_warps / num_stages overrides (scripts/sweep_gqa.py times them)
+        cfg = dataclasses.replace(cfg, **config)
     split = cfg.num_splits > 1
     if split:  # size depends on shapes only, so CUDA-graph capture sees a fixed allocation
         rows = num_tokens * num_q_heads * cfg.num_splits
