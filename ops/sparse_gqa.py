@@ -19,11 +19,10 @@ Rules shared by both backends (the arguments were validated by the fake, from me
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import torch
 
-from torch_sparse_mla.ops._triton import tl, triton
+from torch_sparse_mla.ops._triton import multiprocessor_count, tl, triton
 
 LOG2E = 1.4426950408889634
 
@@ -264,11 +263,6 @@ _COMBINE_HEADS = 16
 _INTERPRETER_SMS = 4
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
 def _prev_pow2(n: int) -> int:
     return 1 << (max(int(n), 1).bit_length() - 1)
 
@@ -313,7 +307,7 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
 
     if num_splits is None:
         programs = num_tokens * num_kv_heads * head_blocks
-        sms = num_sms or (_num_sms(q.device.index) if q.device.type == "cuda" else _INTERPRETER_SMS)
+        sms = num_sms or multiprocessor_count(q.device, _INTERPRETER_SMS)
         num_splits = triton.cdiv(n_sel, _MAX_PAGES_PER_PROGRAM)
         if 0 < programs < sms:  # too few programs to fill the GPU: aim at about two per SM
             num_splits = max(num_splits, min(triton.cdiv(2 * sms, programs), n_sel))

@@ -26,7 +26,6 @@ Triton design (``docs/sparse_mla.md`` has the reasoning and the measured registe
 from __future__ import annotations
 
 import contextlib
-import functools
 
 import torch
 
@@ -37,7 +36,7 @@ from torch_sparse_mla.ops._formats import (
     load_fp8_656_scales,
     load_kv_cols,
 )
-from torch_sparse_mla.ops._triton import HAS_TRITON, tl, triton
+from torch_sparse_mla.ops._triton import HAS_TRITON, multiprocessor_count, tl, triton
 
 if HAS_TRITON:
     from triton.runtime.errors import OutOfResources
@@ -391,13 +390,6 @@ def _sparse_mla_combine_kernel(
     _store_piece(out_rows, stride_od, acc, factor, head_ok, 0, DV_PAD, DV)
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_SMS
-
-
 def _plan(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None,
           overrides: dict | None = None) -> dict:
     """Launch configuration from shapes only (no autotune: it would re-run inside CUDA-graph capture).
@@ -452,7 +444,7 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format, hea
         return
     has_extra = extra_kv_cache is not None
     k_total = indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
-    plan = _plan(num_tokens, num_heads, k_total, _num_sms(q.device), num_splits, config)
+    plan = _plan(num_tokens, num_heads, k_total, multiprocessor_count(q.device, _DEFAULT_SMS), num_splits, config)
     pv, pt, has_tail = _pieces(dim, head_dim_v)
     splits = plan["num_splits"]
     if splits > 1:  # workspace sized from shapes only
