@@ -3,15 +3,15 @@
 Each function validates its arguments from metadata only (dtypes, ranks, devices, shapes, strides)
 and, for the functional overload, returns an empty output of the right shape, dtype and device. The
 real implementations call these first. What a valid cache of each ``kv_format`` looks like is
-decided in one place, ``ops/_formats.check_kv_cache``, shared with the attention operators.
+decided in one place, ``meta_kernels/_formats.check_kv_cache``, shared with the attention operators.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla.meta_kernels._common import SLOT_DTYPES, dtype_names, check_size, check_tensor
-from torch_sparse_mla.ops._formats import cache_dim, check_format, check_kv_cache
+from ._common import SLOT_DTYPES, dtype_names, check_size, check_tensor
+from ._formats import cache_dim, check_format, check_kv_cache
 
 # Values the "auto" cache may hold, kv_cache_insert may read and kv_cache_gather may return.
 FLOAT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -19,7 +19,7 @@ GATHER_SLOT_DTYPES = (torch.int32, torch.int64)
 
 
 def _check_cache(kv_cache, kv_format, device=None):
-    """Layout checks shared with the attention operators (``ops/_formats.check_kv_cache``), with
+    """Layout checks shared with the attention operators (``meta_kernels/_formats.check_kv_cache``), with
     float32 also accepted for an ``auto`` cache; returns the latent dimension ``D``."""
     check_format(kv_format)
     dtype = None

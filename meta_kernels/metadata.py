@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla.meta_kernels._common import (
+from ._common import (
     INDEX_DTYPES,
     SLOT_DTYPES,
     check_min_size,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla.meta_kernels._common import (
+from ._common import (
     INDEX_DTYPES,
     check_positive,
     check_size,

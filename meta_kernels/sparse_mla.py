@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla.meta_kernels._common import (
+from ._common import (
     INDEX_DTYPES,
     check_positive,
     check_size,
     check_tensor,
     expect,
 )
-from torch_sparse_mla.ops._formats import cache_dim, check_format, check_kv_cache
+from ._formats import cache_dim, check_format, check_kv_cache
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEADS = 128

@@ -1,7 +1,7 @@
 """Kernels of the KV cache operators (SPEC section 5): vectorised PyTorch and Triton.
 
-Every entry point takes the ``out`` overload's positional arguments followed by the output tensors
-(``kv_cache_insert`` writes its ``kv_cache`` argument and has none). Naming: ``_NAME_kernel`` (Triton)
+Every entry point takes the ``out`` overload's arguments, outputs keyword-only (``kv_cache_insert``
+writes its ``kv_cache`` argument and has none). Naming: ``_NAME_kernel`` (Triton)
 -> ``NAME_triton`` (launcher) and ``NAME_torch`` (PyTorch). Reading a cache goes through
 ``ops/_formats`` (``dequantize_torch``, ``load_kv_cols``), shared with the attention kernels; writing
 one (quantisation) lives here.
@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla.ops._formats import FORMAT_IDS, cache_dim, dequantize_torch, load_kv_cols
-from torch_sparse_mla.ops._triton import tl, triton
+from ..meta_kernels._formats import FORMAT_IDS, cache_dim
+from ._formats import dequantize_torch, load_kv_cols
+from ._launch import KernelLaunch, PlanCache, cdiv, next_pow2
+from ._triton import tl, triton
 
 E4M3_MAX = 448.0
 FP32_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126: the SPEC's 1.1754944e-38 rounded to float32
@@ -35,6 +37,8 @@ _STORE_F32, _STORE_BF16, _STORE_F16 = 0, 1, 2
 _STORE_CODES = {torch.float32: _STORE_F32, torch.bfloat16: _STORE_BF16, torch.float16: _STORE_F16}
 
 _GATHER_BLOCK_N = 16  # slots per program of the gather kernel
+
+_PLANS = PlanCache()
 
 
 # =====================================================================================================
@@ -105,7 +109,7 @@ def kv_cache_insert_torch(kv, slot_mapping, kv_cache, kv_format):
     scale_rows[page, row] = exps
 
 
-def kv_cache_gather_torch(kv_cache, slots, kv_format, dtype, out):
+def kv_cache_gather_torch(kv_cache, slots, kv_format, dtype=None, *, out):
     # ``out.dtype`` is the result dtype (the fake checked that ``dtype``, when given, agrees).
     if out.shape[0] == 0:
         return
@@ -256,20 +260,23 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
     n = kv.shape[0]
     if n == 0:
         return
-    pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    dim = kv.shape[1]
-    cache = kv_cache
-    store = _STORE_F32
-    if kv_format == "auto":
-        store = _STORE_CODES[kv_cache.dtype]
-        cache = kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
-    _kv_cache_insert_kernel[(n,)](
-        _int16_view_of_bf16(kv), kv.stride(0), kv.stride(1), slot_mapping, slot_mapping.stride(0),
-        cache, kv_cache.stride(0), kv_cache.stride(1),
-        pages * page_size, page_size, dim,
-        KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16, STORE_DTYPE=store,
-        BLOCK_D=min(triton.next_power_of_2(max(dim, 1)), 1024),
-    )
+    store = _STORE_CODES[kv_cache.dtype] if kv_format == "auto" else _STORE_F32
+    # bf16/fp16 are moved as their int16 bits (the kernels round and widen by hand, see above).
+    kv_in = _int16_view_of_bf16(kv)
+    cache = kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
+    key = ("kv_cache_insert", kv.shape, kv.stride(), kv.dtype, slot_mapping.stride(0), kv_cache.shape,
+           kv_cache.stride(), kv_cache.dtype, kv_format, kv.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
+        dim = kv.shape[1]
+        args = (kv_in, kv.stride(0), kv.stride(1), slot_mapping, slot_mapping.stride(0),
+                cache, kv_cache.stride(0), kv_cache.stride(1), pages * page_size, page_size, dim)
+        meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16, STORE_DTYPE=store,
+                    BLOCK_D=min(next_pow2(max(dim, 1)), 1024))
+        launch = _PLANS.put(key, KernelLaunch(_kv_cache_insert_kernel, (n,), args, meta, num_warps=4,
+                                              device=kv.device))
+    launch(kv_in, slot_mapping, cache)
 
 
 @triton.jit
@@ -295,17 +302,21 @@ def _kv_cache_gather_kernel(
         _store_converted(ptrs, vals, live[:, None] & (cols < DIM)[None, :], STORE_DTYPE)
 
 
-def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype, out):
+def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
     n = out.shape[0]
     if n == 0:
         return
-    dim = cache_dim(kv_cache, kv_format)
     store = _STORE_CODES[out.dtype]
-    _kv_cache_gather_kernel[(triton.cdiv(n, _GATHER_BLOCK_N),)](
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * kv_cache.shape[1], kv_cache.shape[1],
-        slots, slots.stride(0),
-        out if store == _STORE_F32 else out.view(torch.int16), out.stride(0), out.stride(1),
-        n,
-        DIM=dim, CHUNK=min(64, triton.next_power_of_2(dim)), KV_FORMAT=FORMAT_IDS[kv_format],
-        STORE_DTYPE=store, BLOCK_N=_GATHER_BLOCK_N,
-    )
+    out_bits = out if store == _STORE_F32 else out.view(torch.int16)
+    key = ("kv_cache_gather", kv_cache.shape, kv_cache.stride(), kv_cache.dtype, slots.stride(0), slots.dtype,
+           out.shape, out.stride(), out.dtype, kv_format, out.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        dim = cache_dim(kv_cache, kv_format)
+        args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * kv_cache.shape[1],
+                kv_cache.shape[1], slots, slots.stride(0), out_bits, out.stride(0), out.stride(1), n)
+        meta = dict(DIM=dim, CHUNK=min(64, next_pow2(dim)), KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store,
+                    BLOCK_N=_GATHER_BLOCK_N)
+        launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, _GATHER_BLOCK_N),), args, meta,
+                                              num_warps=4, device=out.device))
+    launch(kv_cache, slots, out_bits)

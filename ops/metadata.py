@@ -1,7 +1,7 @@
 """Kernels of the metadata operators (SPEC sections 1-4): vectorised PyTorch and Triton.
 
-Every entry point takes the ``out`` overload's positional arguments followed by the output tensors,
-and writes exactly the region the SPEC gives it. Naming: ``_NAME_kernel`` (Triton) ->
+Every entry point takes the ``out`` overload's arguments (outputs keyword-only) and writes exactly
+the region the contract (``docs/operators.md``) gives it. Naming: ``_NAME_kernel`` (Triton) ->
 ``NAME_triton`` (launcher) and ``NAME_torch`` (PyTorch).
 
 Shared rules, applied identically by both backends:
@@ -15,16 +15,20 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla.ops._triton import tl, triton
+from ._launch import KernelLaunch, PlanCache, cdiv
+from ._triton import tl, triton
 
 INT32_MAX = 2**31 - 1
 _BLOCK_1D = 256  # tokens per program of the 1-D kernels
 _BLOCK_COLS = 128  # index columns per program of the 2-D kernels
 
 
+_PLANS = PlanCache()
+
+
 def _grid_rows_cols(rows: int, cols: int) -> tuple[int, int]:
     # Tokens go on grid dimension 0 (CUDA caps dimensions 1 and 2 at 65535, a prefill can exceed it).
-    return (rows, max(triton.cdiv(cols, _BLOCK_COLS), 1))
+    return (rows, max(cdiv(cols, _BLOCK_COLS), 1))
 
 
 # =====================================================================================================
@@ -55,7 +59,7 @@ def _to_index32(slots: torch.Tensor) -> torch.Tensor:
     return torch.where(slots > INT32_MAX, -1, slots).to(torch.int32)
 
 
-def compressed_slot_mapping_torch(query_start_loc, seq_lens, block_table, block_size, compress_ratio, out):
+def compressed_slot_mapping_torch(query_start_loc, seq_lens, block_table, block_size, compress_ratio, *, out):
     n, num_req = out.shape[0], seq_lens.shape[0]
     if n == 0:
         return
@@ -75,7 +79,7 @@ def compressed_slot_mapping_torch(query_start_loc, seq_lens, block_table, block_
 
 
 def c128a_topk_indices_torch(positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
-                             compress_ratio, block_size, width, decode_indices, decode_lens, prefill_indices):
+                             compress_ratio, block_size, width, *, decode_indices, decode_lens, prefill_indices):
     num_tokens = positions.shape[0]
     n = torch.div(positions + 1, compress_ratio, rounding_mode="floor").clamp(0, width)
     o = torch.arange(width, device=positions.device, dtype=torch.int64)
@@ -89,14 +93,14 @@ def c128a_topk_indices_torch(positions, token_to_req, block_table, slot_mapping,
         prefill_indices[: num_tokens - d, :width].copy_(torch.where(used[d:], o[None, :], -1).to(torch.int32))
 
 
-def decode_runtime_metadata_torch(seq_lens, decode_query_len, kv_segment_lens, qo_offset):
+def decode_runtime_metadata_torch(seq_lens, decode_query_len, *, kv_segment_lens, qo_offset):
     q = decode_query_len
     expanded = seq_lens.repeat_interleave(q)
     kv_segment_lens.copy_(expanded)
     qo_offset.copy_(expanded - q + torch.arange(q, device=seq_lens.device, dtype=torch.int32).repeat(seq_lens.shape[0]))
 
 
-def swa_indices_torch(positions, token_to_req, block_table, slot_mapping, window, block_size, indices, lens):
+def swa_indices_torch(positions, token_to_req, block_table, slot_mapping, window, block_size, *, indices, lens):
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
@@ -109,7 +113,7 @@ def swa_indices_torch(positions, token_to_req, block_table, slot_mapping, window
     lens[:num_tokens].copy_(torch.where(slot_mapping >= 0, n, 0).to(torch.int32))
 
 
-def compressed_topk_to_global_torch(local_indices, token_to_req, block_table, slot_mapping, block_size,
+def compressed_topk_to_global_torch(local_indices, token_to_req, block_table, slot_mapping, block_size, *,
                                     indices, lens):
     num_tokens, k = local_indices.shape
     if num_tokens == 0:
@@ -182,17 +186,21 @@ def _compressed_slot_mapping_kernel(
     tl.store(out_ptr + j * stride_out, slot, mask=live)
 
 
-def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block_size, compress_ratio, out):
-    n, num_req = out.shape[0], seq_lens.shape[0]
+def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block_size, compress_ratio, *, out):
+    n = out.shape[0]
     if n == 0:
         return
-    steps = max(int(num_req).bit_length(), 1)
-    _compressed_slot_mapping_kernel[(triton.cdiv(n, _BLOCK_1D),)](
-        query_start_loc, query_start_loc.stride(0), seq_lens, seq_lens.stride(0),
-        block_table, block_table.stride(0), block_table.stride(1), out, out.stride(0),
-        n, num_req, block_table.shape[1], block_size, compress_ratio,
-        steps, BLOCK=_BLOCK_1D,
-    )
+    key = ("compressed_slot_mapping", n, query_start_loc.stride(0), seq_lens.shape[0], seq_lens.stride(0),
+           block_table.shape, block_table.stride(), out.stride(0), block_size, compress_ratio, out.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        num_req = seq_lens.shape[0]
+        args = (query_start_loc, query_start_loc.stride(0), seq_lens, seq_lens.stride(0),
+                block_table, block_table.stride(0), block_table.stride(1), out, out.stride(0),
+                n, num_req, block_table.shape[1], block_size, compress_ratio, max(num_req.bit_length(), 1))
+        launch = _PLANS.put(key, KernelLaunch(_compressed_slot_mapping_kernel, (cdiv(n, _BLOCK_1D),), args,
+                                              dict(BLOCK=_BLOCK_1D), num_warps=4, device=out.device))
+    launch(query_start_loc, seq_lens, block_table, out)
 
 
 @triton.jit
@@ -229,19 +237,24 @@ def _c128a_topk_indices_kernel(
 
 
 def c128a_topk_indices_triton(positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
-                              compress_ratio, block_size, width, decode_indices, decode_lens, prefill_indices):
+                              compress_ratio, block_size, width, *, decode_indices, decode_lens, prefill_indices):
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
-    _c128a_topk_indices_kernel[_grid_rows_cols(num_tokens, width)](
-        positions, positions.stride(0), token_to_req, token_to_req.stride(0),
-        block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
-        decode_indices, decode_indices.stride(0), decode_indices.stride(1),
-        decode_lens, decode_lens.stride(0),
-        prefill_indices, prefill_indices.stride(0), prefill_indices.stride(1),
-        num_decode_tokens, block_table.shape[0], block_table.shape[1], compress_ratio, block_size, width,
-        BLOCK=_BLOCK_COLS,
-    )
+    key = ("c128a_topk_indices", num_tokens, positions.stride(0), token_to_req.stride(0), block_table.shape,
+           block_table.stride(), slot_mapping.stride(0), decode_indices.stride(), decode_lens.stride(0),
+           prefill_indices.stride(), num_decode_tokens, compress_ratio, block_size, width, positions.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        args = (positions, positions.stride(0), token_to_req, token_to_req.stride(0),
+                block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
+                decode_indices, decode_indices.stride(0), decode_indices.stride(1),
+                decode_lens, decode_lens.stride(0),
+                prefill_indices, prefill_indices.stride(0), prefill_indices.stride(1),
+                num_decode_tokens, block_table.shape[0], block_table.shape[1], compress_ratio, block_size, width)
+        launch = _PLANS.put(key, KernelLaunch(_c128a_topk_indices_kernel, _grid_rows_cols(num_tokens, width), args,
+                                              dict(BLOCK=_BLOCK_COLS), num_warps=4, device=positions.device))
+    launch(positions, token_to_req, block_table, slot_mapping, decode_indices, decode_lens, prefill_indices)
 
 
 @triton.jit
@@ -261,14 +274,19 @@ def _decode_runtime_metadata_kernel(
     tl.store(qo_offset_ptr + r * stride_qo, qo, mask=live)
 
 
-def decode_runtime_metadata_triton(seq_lens, decode_query_len, kv_segment_lens, qo_offset):
+def decode_runtime_metadata_triton(seq_lens, decode_query_len, *, kv_segment_lens, qo_offset):
     rows = kv_segment_lens.shape[0]
     if rows == 0:
         return
-    _decode_runtime_metadata_kernel[(triton.cdiv(rows, _BLOCK_1D),)](
-        seq_lens, seq_lens.stride(0), kv_segment_lens, kv_segment_lens.stride(0), qo_offset, qo_offset.stride(0),
-        rows, decode_query_len, BLOCK=_BLOCK_1D,
-    )
+    key = ("decode_runtime_metadata", rows, seq_lens.stride(0), kv_segment_lens.stride(0), qo_offset.stride(0),
+           decode_query_len, seq_lens.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        args = (seq_lens, seq_lens.stride(0), kv_segment_lens, kv_segment_lens.stride(0), qo_offset,
+                qo_offset.stride(0), rows, decode_query_len)
+        launch = _PLANS.put(key, KernelLaunch(_decode_runtime_metadata_kernel, (cdiv(rows, _BLOCK_1D),), args,
+                                              dict(BLOCK=_BLOCK_1D), num_warps=4, device=seq_lens.device))
+    launch(seq_lens, kv_segment_lens, qo_offset)
 
 
 @triton.jit
@@ -298,17 +316,22 @@ def _swa_indices_kernel(
         tl.store(lens_ptr + t * stride_l, tl.where(is_real, n, 0).to(tl.int32))
 
 
-def swa_indices_triton(positions, token_to_req, block_table, slot_mapping, window, block_size, indices, lens):
+def swa_indices_triton(positions, token_to_req, block_table, slot_mapping, window, block_size, *, indices, lens):
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
-    _swa_indices_kernel[_grid_rows_cols(num_tokens, window)](
-        positions, positions.stride(0), token_to_req, token_to_req.stride(0),
-        block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
-        indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
-        block_table.shape[0], block_table.shape[1], window, block_size,
-        BLOCK=_BLOCK_COLS,
-    )
+    key = ("swa_indices", num_tokens, positions.stride(0), token_to_req.stride(0), block_table.shape,
+           block_table.stride(), slot_mapping.stride(0), indices.stride(), lens.stride(0), window, block_size,
+           positions.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        args = (positions, positions.stride(0), token_to_req, token_to_req.stride(0),
+                block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
+                indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
+                block_table.shape[0], block_table.shape[1], window, block_size)
+        launch = _PLANS.put(key, KernelLaunch(_swa_indices_kernel, _grid_rows_cols(num_tokens, window), args,
+                                              dict(BLOCK=_BLOCK_COLS), num_warps=4, device=positions.device))
+    launch(positions, token_to_req, block_table, slot_mapping, indices, lens)
 
 
 @triton.jit
@@ -340,15 +363,20 @@ def _compressed_topk_to_global_kernel(
     tl.store(lens_ptr + t * stride_l, tl.where(is_real, tl.max(last, axis=0), 0))
 
 
-def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, slot_mapping, block_size,
+def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, slot_mapping, block_size, *,
                                      indices, lens):
     num_tokens, k = local_indices.shape
     if num_tokens == 0:
         return
-    _compressed_topk_to_global_kernel[(num_tokens,)](
-        local_indices, local_indices.stride(0), local_indices.stride(1), token_to_req, token_to_req.stride(0),
-        block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
-        indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
-        block_table.shape[0], block_table.shape[1], k, block_size,
-        BLOCK=_BLOCK_COLS,
-    )
+    key = ("compressed_topk_to_global", local_indices.shape, local_indices.stride(), token_to_req.stride(0),
+           block_table.shape, block_table.stride(), slot_mapping.stride(0), indices.stride(), lens.stride(0),
+           block_size, local_indices.device)
+    launch = _PLANS.get(key)
+    if launch is None:
+        args = (local_indices, local_indices.stride(0), local_indices.stride(1), token_to_req, token_to_req.stride(0),
+                block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
+                indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
+                block_table.shape[0], block_table.shape[1], k, block_size)
+        launch = _PLANS.put(key, KernelLaunch(_compressed_topk_to_global_kernel, (num_tokens,), args,
+                                              dict(BLOCK=_BLOCK_COLS), num_warps=4, device=local_indices.device))
+    launch(local_indices, token_to_req, block_table, slot_mapping, indices, lens)

@@ -1,7 +1,7 @@
 """Kernels of sparse_gqa_decode (SPEC section 7): vectorised PyTorch and Triton.
 
-Both entry points take the ``out`` overload's positional arguments followed by ``out`` and write every
-element of ``out``. Naming: ``_sparse_gqa_decode_kernel`` / ``_sparse_gqa_combine_kernel`` (Triton) ->
+Both entry points take the ``out`` overload's arguments (``out`` keyword-only) and write every element
+of ``out``. Naming: ``_sparse_gqa_decode_kernel`` / ``_sparse_gqa_combine_kernel`` (Triton) ->
 ``sparse_gqa_decode_triton`` (launcher) and ``sparse_gqa_decode_torch`` (PyTorch).
 
 Rules shared by both backends (the arguments were validated by the fake, from metadata only):
@@ -18,13 +18,10 @@ Rules shared by both backends (the arguments were validated by the fake, from me
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
-from torch_sparse_mla.ops._triton import multiprocessor_count, tl, triton
-
-LOG2E = 1.4426950408889634
+from ._launch import LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2
+from ._triton import tl, triton
 
 # =====================================================================================================
 # PyTorch kernels
@@ -79,8 +76,8 @@ def sparse_gqa_decode_dense(q, kv_cache, topk_pages, block_table, kv_segment_len
 
 
 def sparse_gqa_decode_torch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len,
-                            softmax_scale, q_scale, k_scale, v_scale, out):
-    """CPU kernel. Arguments: the ``out`` overload's, then ``out``."""
+                            softmax_scale, q_scale=1.0, k_scale=1.0, v_scale=1.0, *, out):
+    """CPU kernel. Arguments: the ``out`` overload's."""
     num_tokens = q.shape[0]
     _, num_kv_heads, page_size, two_dh = kv_cache.shape
     per_row = max(num_kv_heads * topk_pages.shape[2] * page_size * two_dh, 1)
@@ -130,7 +127,7 @@ def _sparse_gqa_decode_kernel(
     kv_lens_ptr, stride_kvl,  # int32 [T]
     qo_ptr, stride_qo,  # int32 [T]
     out_ptr, stride_o_t, stride_o_h, stride_o_d,  # [T, Hq, Dh]; written when not SPLIT
-    ws_m_ptr, ws_l_ptr, ws_acc_ptr,  # float32 [T, Hq, S], [T, Hq, S], [T, Hq, S, Dh]; written when SPLIT
+    ws_ptr, ws_rows,  # SPLIT: float32 workspace of m [R], l [R], acc [R, Dh], R = ws_rows = T * Hq * S
     num_kv_heads, group, num_head_blocks,  # group = Hq / Hkv
     num_pages, num_req, max_blocks, n_sel,
     pages_per_split, num_splits, decode_query_len,
@@ -214,9 +211,9 @@ def _sparse_gqa_decode_kernel(
 
     if SPLIT:
         ws_row = (t * num_kv_heads * group + h) * num_splits + split
-        tl.store(ws_m_ptr + ws_row, m_i, mask=row_ok)
-        tl.store(ws_l_ptr + ws_row, l_i, mask=row_ok)
-        tl.store(ws_acc_ptr + ws_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
+        tl.store(ws_ptr + ws_row, m_i, mask=row_ok)
+        tl.store(ws_ptr + ws_rows + ws_row, l_i, mask=row_ok)
+        tl.store(ws_ptr + 2 * ws_rows + ws_row[:, None] * HEAD_DIM + d[None, :], acc, mask=q_mask)
     else:
         scale = v_scale / tl.where(l_i > 0, l_i, 1.0)  # no key: acc is 0, the output is 0
         o_ptrs = out_ptr + t * stride_o_t + h[:, None] * stride_o_h + d[None, :] * stride_o_d
@@ -225,12 +222,15 @@ def _sparse_gqa_decode_kernel(
 
 @triton.jit
 def _sparse_gqa_combine_kernel(
-    ws_m_ptr, ws_l_ptr, ws_acc_ptr,  # float32 [T, Hq, S], [T, Hq, S], [T, Hq, S, Dh]
+    ws_ptr, ws_rows,  # float32 workspace of m [R], l [R], acc [R, Dh], R = ws_rows = T * Hq * S
     out_ptr, stride_o_t, stride_o_h, stride_o_d,  # [T, Hq, Dh]
     num_q_heads, num_splits, v_scale,
     HEAD_DIM: tl.constexpr, BLOCK_HC: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     # Merge the per-split (max, sum, unnormalised accumulator) triples of a block of query heads.
+    ws_m_ptr = ws_ptr
+    ws_l_ptr = ws_ptr + ws_rows
+    ws_acc_ptr = ws_ptr + 2 * ws_rows
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1) * BLOCK_HC + tl.arange(0, BLOCK_HC)
     h_ok = h < num_q_heads
@@ -259,101 +259,76 @@ def _sparse_gqa_combine_kernel(
 _MAX_PAGES_PER_PROGRAM = 64
 # Query heads per program of the combine kernel.
 _COMBINE_HEADS = 16
-# The SM count used for the split heuristic off CUDA (the interpreter): small, so grids stay small.
-_INTERPRETER_SMS = 4
+
+_PLANS = PlanCache()
 
 
-def _prev_pow2(n: int) -> int:
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-@dataclasses.dataclass(frozen=True)
-class LaunchConfig:
-    block_h: int
-    head_blocks: int
-    block_d: int
-    block_n: int
-    num_splits: int
-    pages_per_split: int
-    dot: int
-    num_warps: int
-    num_stages: int
+def _dot_dtype(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> int:
+    dtypes = {q_dtype, kv_dtype}
+    if torch.bfloat16 in dtypes and torch.float16 in dtypes:
+        return _DOT_FP32
+    if torch.bfloat16 in dtypes:
+        return _DOT_BF16
+    return _DOT_FP16  # float16 and float8 (e4m3 values are exact in float16, and P keeps 10 mantissa bits)
 
 
 def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_splits: int | None = None,
-                  num_sms: int | None = None) -> LaunchConfig:
+                  num_sms: int | None = None) -> LaunchPlan:
     """Block sizes, warps and the split of the page list, from shapes and dtypes only (no autotuning:
     CUDA-graph capture and the interpreter need one fixed configuration per shape).
 
     ``num_splits`` overrides the split heuristic; ``num_sms`` the multiprocessor count it aims at
-    (default: the device's, or a small constant off CUDA so interpreter grids stay small).
+    (default: the device's, or ``OFF_CUDA_SMS`` off CUDA so interpreter grids stay small).
     """
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads, page_size = kv_cache.shape[1], kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
-    block_d = max(triton.next_power_of_2(head_dim), 16)
+    block_d = max(next_pow2(head_dim), 16)
     # Pad the query group to >= 16 rows (the smallest tl.dot M); very large groups use several blocks.
-    block_h = min(max(triton.next_power_of_2(group), 16), 64 if block_d <= 128 else 32)
-    head_blocks = triton.cdiv(group, block_h)
-    block_n = max(min(_prev_pow2(page_size), 64 if block_d <= 128 else 32), 16)
-
-    dtypes = {q.dtype, kv_cache.dtype}
-    if torch.bfloat16 in dtypes and torch.float16 in dtypes:
-        dot = _DOT_FP32
-    elif torch.bfloat16 in dtypes:
-        dot = _DOT_BF16
-    else:  # float16 and float8 (e4m3 values are exact in float16, and P keeps 10 mantissa bits)
-        dot = _DOT_FP16
+    block_h = min(max(next_pow2(group), 16), 64 if block_d <= 128 else 32)
+    head_blocks = cdiv(group, block_h)
+    block_n = max(min(prev_pow2(page_size), 64 if block_d <= 128 else 32), 16)
+    dot = _dot_dtype(q.dtype, kv_cache.dtype)
 
     if num_splits is None:
         programs = num_tokens * num_kv_heads * head_blocks
-        sms = num_sms or multiprocessor_count(q.device, _INTERPRETER_SMS)
-        num_splits = triton.cdiv(n_sel, _MAX_PAGES_PER_PROGRAM)
+        sms = num_sms or multiprocessor_count(q.device)
+        num_splits = cdiv(n_sel, _MAX_PAGES_PER_PROGRAM)
         if 0 < programs < sms:  # too few programs to fill the GPU: aim at about two per SM
-            num_splits = max(num_splits, min(triton.cdiv(2 * sms, programs), n_sel))
+            num_splits = max(num_splits, min(cdiv(2 * sms, programs), n_sel))
     num_splits = max(num_splits, 1)
-    pages_per_split = max(triton.cdiv(n_sel, num_splits), 1)
-    num_splits = max(triton.cdiv(n_sel, pages_per_split), 1)  # no empty split
+    pages_per_split = max(cdiv(n_sel, num_splits), 1)
+    num_splits = max(cdiv(n_sel, pages_per_split), 1)  # no empty split
     # Chosen from ptxas register counts for sm_90 (no spills, <= ~145 registers per thread, so two or
     # more programs share an SM while cp.async keeps one or two tiles in flight per program).
     if dot == _DOT_FP32:  # float32 operands (a float16/bfloat16 mix, rare): small tiles, no prefetch
         block_n, num_warps, num_stages = 16, 8, 1
     elif block_d <= 128:
-        # Measured on the H200 (scripts/sweep_gqa.py, docs/benchmarks.md): with groups of <= 32 heads
+        # Measured on an H200 (scripts/sweep_gqa.py, docs/benchmarks.md): with groups of <= 32 heads
         # 4 warps run 18-27% faster than 8 at T >= 64 (fp8 cache, Dh 128, pages of 128).
         num_warps, num_stages = (4, 3) if block_h <= 32 else (8, 2)
     else:
         num_warps, num_stages = 4, 2
-    return LaunchConfig(block_h, head_blocks, block_d, block_n, num_splits, pages_per_split, dot, num_warps,
-                        num_stages)
+    return LaunchPlan(block_h, head_blocks, block_n, num_splits, num_warps, num_stages)
 
 
-def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len,
-                             softmax_scale, q_scale, k_scale, v_scale, out, num_splits=None, config=None):
-    """Launch the decode kernel (and the combine kernel when the page lists are split). Arguments as
-    :func:`sparse_gqa_decode_torch`; ``num_splits`` overrides the heuristic (tests use it to cover both
-    paths with small grids).
-    """
+def pages_per_split(n_sel: int, plan: LaunchPlan) -> int:
+    """Selected pages each split program walks (the last split may have fewer)."""
+    return max(cdiv(n_sel, plan.num_splits), 1)
+
+
+def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len,
+                   qk_scale, v_scale, out, plan: LaunchPlan):
+    """The kernel launches of one plan; the workspace is a call argument (``out`` holds its place here)."""
     num_tokens, num_q_heads, head_dim = q.shape
     num_pages, num_kv_heads, page_size, _ = kv_cache.shape
     n_sel = topk_pages.shape[2]
-    if out.numel() == 0:
-        return
-    cfg = launch_config(q, kv_cache, n_sel, num_splits)
-    if config:  # block_n / num_warps / num_stages overrides (scripts/sweep_gqa.py times them)
-        cfg = dataclasses.replace(cfg, **config)
-    split = cfg.num_splits > 1
-    if split:  # size depends on shapes only, so CUDA-graph capture sees a fixed allocation
-        rows = num_tokens * num_q_heads * cfg.num_splits
-        ws_m = torch.empty(rows, dtype=torch.float32, device=q.device)
-        ws_l = torch.empty(rows, dtype=torch.float32, device=q.device)
-        ws_acc = torch.empty(rows * head_dim, dtype=torch.float32, device=q.device)
-    else:
-        ws_m = ws_l = ws_acc = out  # unused
     group = num_q_heads // num_kv_heads
-    qk_scale = float(softmax_scale) * float(q_scale) * float(k_scale) * LOG2E
-    grid = (num_tokens * num_kv_heads * cfg.head_blocks, cfg.num_splits)
-    _sparse_gqa_decode_kernel[grid](
+    per_split = pages_per_split(n_sel, plan)
+    split = plan.num_splits > 1
+    rows = num_tokens * num_q_heads * plan.num_splits
+    block_d = max(next_pow2(head_dim), 16)
+    args = (
         q, q.stride(0), q.stride(1), q.stride(2),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_pages, topk_pages.stride(0), topk_pages.stride(1), topk_pages.stride(2),
@@ -361,25 +336,60 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
         kv_segment_lens, kv_segment_lens.stride(0),
         qo_offset, qo_offset.stride(0),
         out, out.stride(0), out.stride(1), out.stride(2),
-        ws_m, ws_l, ws_acc,
-        num_kv_heads, group, cfg.head_blocks,
+        out, rows,  # the workspace when split
+        num_kv_heads, group, plan.head_blocks,
         num_pages, block_table.shape[0], block_table.shape[1], n_sel,
-        cfg.pages_per_split, cfg.num_splits, decode_query_len,
-        qk_scale, float(v_scale),
-        HEAD_DIM=head_dim, PAGE_SIZE=page_size,
-        BLOCK_H=cfg.block_h, BLOCK_D=cfg.block_d, BLOCK_N=cfg.block_n,
-        BLOCK_SEL=max(triton.next_power_of_2(cfg.pages_per_split), 2), CHUNKS=triton.cdiv(page_size, cfg.block_n),
-        DOT=cfg.dot, SPLIT=split,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        per_split, plan.num_splits, decode_query_len,
+        qk_scale, v_scale,
     )
-    if split:
-        _sparse_gqa_combine_kernel[(num_tokens, triton.cdiv(num_q_heads, _COMBINE_HEADS))](
-            ws_m, ws_l, ws_acc,
-            out, out.stride(0), out.stride(1), out.stride(2),
-            num_q_heads, cfg.num_splits, float(v_scale),
-            HEAD_DIM=head_dim, BLOCK_HC=_COMBINE_HEADS, BLOCK_S=triton.next_power_of_2(cfg.num_splits),
-            BLOCK_D=cfg.block_d, num_warps=4,
-        )
+    meta = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=plan.block_h, BLOCK_D=block_d, BLOCK_N=plan.block_n,
+                BLOCK_SEL=max(next_pow2(per_split), 2), CHUNKS=cdiv(page_size, plan.block_n),
+                DOT=_dot_dtype(q.dtype, kv_cache.dtype), SPLIT=split)
+    grid = (num_tokens * num_kv_heads * plan.head_blocks, plan.num_splits)
+    main = KernelLaunch(_sparse_gqa_decode_kernel, grid, args, meta, num_warps=plan.num_warps,
+                        num_stages=plan.num_stages, device=q.device)
+    if not split:
+        return main, None
+    combine = KernelLaunch(
+        _sparse_gqa_combine_kernel, (num_tokens, cdiv(num_q_heads, _COMBINE_HEADS)),
+        (out, rows, out, out.stride(0), out.stride(1), out.stride(2), num_q_heads, plan.num_splits, v_scale),
+        dict(HEAD_DIM=head_dim, BLOCK_HC=_COMBINE_HEADS, BLOCK_S=next_pow2(plan.num_splits), BLOCK_D=block_d),
+        num_warps=4, device=q.device)
+    return main, combine
 
 
-__all__ = ["sparse_gqa_decode_dense", "sparse_gqa_decode_torch", "sparse_gqa_decode_triton", "launch_config"]
+def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len,
+                             softmax_scale, q_scale=1.0, k_scale=1.0, v_scale=1.0, *, out, num_splits=None,
+                             config=None):
+    """Launch the decode kernel (and the combine kernel when the page lists are split). Arguments as
+    :func:`sparse_gqa_decode_torch`; ``num_splits`` and ``config`` (``LaunchPlan`` fields) override
+    the heuristic (tests use them to cover every path with small grids).
+    """
+    if out.numel() == 0:
+        return
+    qk_scale = float(softmax_scale) * float(q_scale) * float(k_scale) * LOG2E
+    v_scale = float(v_scale)
+    key = (q.shape, q.stride(), q.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, topk_pages.shape,
+           topk_pages.stride(), block_table.shape, block_table.stride(), kv_segment_lens.stride(0),
+           qo_offset.stride(0), out.stride(), decode_query_len, qk_scale, v_scale, q.device, num_splits,
+           None if config is None else tuple(sorted(config.items())))
+    entry = _PLANS.get(key)
+    if entry is None:
+        plan = launch_config(q, kv_cache, topk_pages.shape[2], num_splits).with_overrides(config)
+        ws_numel = q.shape[0] * q.shape[1] * plan.num_splits * (2 + q.shape[2]) if plan.num_splits > 1 else 0
+        entry = _PLANS.put(key, (ws_numel, *_make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens,
+                                                            qo_offset, decode_query_len, qk_scale, v_scale, out,
+                                                            plan)))
+    ws_numel, main, combine = entry
+    if combine is None:
+        main(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, out, out)
+        return
+    # float32 m [R], l [R], acc [R, Dh] of the R = T * Hq * S partial rows; its size depends on shapes
+    # only, so CUDA-graph capture sees a fixed allocation.
+    ws = torch.empty(ws_numel, dtype=torch.float32, device=q.device)
+    main(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, out, ws)
+    combine(ws, out)
+
+
+__all__ = ["launch_config", "pages_per_split", "sparse_gqa_decode_dense", "sparse_gqa_decode_torch",
+           "sparse_gqa_decode_triton"]

@@ -1,7 +1,7 @@
 """Kernels of ``sparse_mla_decode`` (SPEC section 6): vectorised PyTorch and Triton.
 
-Both entry points take the ``out`` overload's positional arguments followed by ``out`` and ``lse``,
-and write every element of both. Shared semantics:
+Both entry points take the ``out`` overload's arguments (``out`` and ``lse`` keyword-only) and write
+every element of both. Shared semantics:
 
 - the candidates of token ``t`` are entries ``j < clamp(topk_length[t], 0, K)`` of ``indices[t]`` whose
   slot is in ``[0, pages * page_size)``, then the same for the extra list and extra cache; duplicates
@@ -25,27 +25,19 @@ Triton design (``docs/sparse_mla.md`` has the reasoning and the measured registe
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 
-from torch_sparse_mla.ops._formats import (
-    FORMAT_IDS,
+from ..meta_kernels._formats import FORMAT_IDS
+from ._formats import (
     dequantize_torch,
     load_fp8_656_raw,
     load_fp8_656_scales,
     load_kv_cols,
 )
-from torch_sparse_mla.ops._triton import HAS_TRITON, multiprocessor_count, tl, triton
+from ._launch import LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2
+from ._triton import tl, triton
 
-if HAS_TRITON:
-    from triton.runtime.errors import OutOfResources
-else:  # pragma: no cover
-    OutOfResources = RuntimeError
-
-_LOG2E = 1.4426950408889634
-_CPU_CHUNK_ELEMS = 1 << 24  # float32 elements of dequantised K (and scores) per CPU chunk of tokens
-_DEFAULT_SMS = 132  # H200; used to plan the grid when no CUDA device is at hand (interpreter)
+_TORCH_CHUNK_ELEMENTS = 1 << 24  # float32 elements of dequantised K (and scores) per CPU chunk of tokens
 _MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split program, so the combine stays cheap
 
 
@@ -91,14 +83,15 @@ def sparse_mla_decode_dense(q, kv_cache, indices, softmax_scale, kv_format="auto
     return out, lse
 
 
-def sparse_mla_decode_torch(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
-                            extra_kv_cache, extra_indices, extra_topk_length, out, lse):
-    """CPU kernel: the ``out`` overload's positional arguments, then ``out`` and ``lse``."""
+def sparse_mla_decode_torch(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=512, topk_length=None,
+                            attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None, *,
+                            out, lse):
+    """CPU kernel: the ``out`` overload's arguments."""
     num_tokens, num_heads, dim = q.shape
     if num_tokens == 0:
         return
     k_total = indices.shape[1] + (extra_indices.shape[1] if extra_indices is not None else 0)
-    chunk = max(1, _CPU_CHUNK_ELEMS // max(k_total * (dim + num_heads), 1))
+    chunk = max(1, _TORCH_CHUNK_ELEMENTS // max(k_total * (dim + num_heads), 1))
     for t0 in range(0, num_tokens, chunk):
         rows = slice(t0, min(t0 + chunk, num_tokens))
 
@@ -244,7 +237,7 @@ def _finish_rows(m_i, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK: tl.c
     """Natural-log ``lse`` [BLOCK_H] and the factor that turns ``acc`` into ``out`` (1/l times the
     sink's ``1 / (1 + exp(sink - lse))``); rows without a candidate get ``+inf`` and 0."""
     has = l_i > 0
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / 1.4426950408889634, float("inf"))
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("inf"))
     factor = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if HAS_SINK:
         sink = tl.load(sink_ptr + heads * stride_sink, mask=head_ok, other=float("-inf"))
@@ -279,7 +272,7 @@ def _sparse_mla_decode_kernel(
     sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
     out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype (not SPLIT)
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H] (not SPLIT)
-    ws_acc_ptr, ws_ml_ptr,  # SPLIT: float32 [T, S, H, 4 * PV] and [T, S, H, 2], contiguous
+    ws_ptr, ws_ml_off,  # SPLIT: float32 workspace: acc [T, S, H, 4 * PV], then (m, l) [T, S, H, 2] at ws_ml_off
     num_heads, num_head_blocks, num_splits, qk_scale,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DV: tl.constexpr, PV: tl.constexpr, D: tl.constexpr, PT: tl.constexpr, HAS_TAIL: tl.constexpr,
@@ -337,13 +330,13 @@ def _sparse_mla_decode_kernel(
 
     if SPLIT:
         row = (t * num_splits + split) * num_heads + heads.to(tl.int64)  # [T, S, H] row of the workspace
-        ws_rows = ws_acc_ptr + row * (4 * PV)
+        ws_rows = ws_ptr + row * (4 * PV)
         _store_partial(ws_rows, acc0, head_ok, 0, PV)
         _store_partial(ws_rows, acc1, head_ok, PV, PV)
         _store_partial(ws_rows, acc2, head_ok, 2 * PV, PV)
         _store_partial(ws_rows, acc3, head_ok, 3 * PV, PV)
-        tl.store(ws_ml_ptr + row * 2, m_i, mask=head_ok)
-        tl.store(ws_ml_ptr + row * 2 + 1, l_i, mask=head_ok)
+        tl.store(ws_ptr + ws_ml_off + row * 2, m_i, mask=head_ok)
+        tl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_i, mask=head_ok)
     else:
         lse, factor = _finish_rows(m_i, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
         tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
@@ -356,13 +349,15 @@ def _sparse_mla_decode_kernel(
 
 @triton.jit
 def _sparse_mla_combine_kernel(
-    ws_acc_ptr, ws_ml_ptr,  # float32 [T, S, H, DV_PAD] and [T, S, H, 2], contiguous
+    ws_ptr, ws_ml_off,  # float32 workspace: acc [T, S, H, DV_PAD], then (m, l) [T, S, H, 2] at ws_ml_off
     sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
     out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H]
     num_heads, num_head_blocks, num_splits,
     BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
+    ws_acc_ptr = ws_ptr
+    ws_ml_ptr = ws_ptr + ws_ml_off
     pid = tl.program_id(0)
     hb = pid % num_head_blocks
     t = (pid // num_head_blocks).to(tl.int64)
@@ -390,69 +385,61 @@ def _sparse_mla_combine_kernel(
     _store_piece(out_rows, stride_od, acc, factor, head_ok, 0, DV_PAD, DV)
 
 
-def _plan(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None,
-          overrides: dict | None = None) -> dict:
-    """Launch configuration from shapes only (no autotune: it would re-run inside CUDA-graph capture).
+def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
+                num_splits: int | None = None) -> LaunchPlan:
+    """Launch configuration of the portable kernel, from shapes only (no autotune: it would re-run
+    inside CUDA-graph capture).
 
-    - ``BLOCK_H = clamp(next_pow2(H), 16, 64)``: no padding of the work to 64 or 128 heads; H > 64
+    - ``block_h = clamp(next_pow2(H), 16, 64)``: no padding of the work to 64 or 128 heads; H > 64
       runs ceil(H / 64) head blocks, each reading the candidate rows once.
     - 8 warps; the float32 accumulator ``[64, 512]`` is 128 registers per thread (64 or fewer below
-      64 heads). ``BLOCK_N`` = 64 when the grid stays full, else 32: 64 spills a little more (compile
-      for sm_90) but keeps twice the cache rows in flight, and measured faster on the H200 (sweep in
+      64 heads). ``block_n`` = 64 when the grid stays full, else 32: 64 spills a little more (compile
+      for sm_90) but keeps twice the cache rows in flight, and measured faster on an H200 (sweep in
       docs/benchmarks.md); 4 warps, 16-entry blocks and 128-head blocks (16 warps) measured slower.
     - split-K when ``T * head_blocks`` programs do not fill the SMs, keeping at least
       ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks per split.
     """
-    overrides = overrides or {}
-    block_h = overrides.get("block_h", min(64, max(16, triton.next_power_of_2(num_heads))))
-    head_blocks = triton.cdiv(num_heads, block_h)
+    block_h = min(64, max(16, next_pow2(num_heads)))
+    head_blocks = cdiv(num_heads, block_h)
     programs = max(num_tokens * head_blocks, 1)
 
     def splits_for(block_n: int) -> int:
-        blocks = triton.cdiv(k_total, block_n)
-        return max(1, min(triton.cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
+        blocks = cdiv(k_total, block_n)
+        return max(1, min(cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
 
-    # 64-entry blocks keep more cache rows in flight (measured on the H200: 16-40% faster at T >= 128,
+    # 64-entry blocks keep more cache rows in flight (measured on an H200: 16-40% faster at T >= 128,
     # docs/benchmarks.md), unless halving the block count leaves too few split programs to fill the
     # SMs (T = 4, H = 128: 32-entry blocks run 25% faster).
     block_n = 64 if programs * splits_for(64) >= num_sms else 32
-    block_n = overrides.get("block_n", block_n)
     if num_splits is None:
         num_splits = splits_for(block_n)
-    return dict(block_h=block_h, head_blocks=head_blocks, block_n=block_n, num_warps=overrides.get("num_warps", 8),
-                num_stages=overrides.get("num_stages", 2), num_splits=num_splits)
+    return LaunchPlan(block_h=block_h, head_blocks=head_blocks, block_n=block_n, num_splits=num_splits,
+                      num_warps=8, num_stages=2)
 
 
-def _pieces(dim: int, head_dim_v: int) -> tuple[int, int, int]:
+def _pieces(dim: int, head_dim_v: int) -> tuple[int, int, bool]:
     """``(PV, PT, HAS_TAIL)``: four V pieces of PV dims cover ``head_dim_v`` (512 -> 4 x 128); one tail
-    piece of PT dims covers ``D - head_dim_v`` (576 - 512 -> 64). Both at least 16 (``tl.dot``)."""
-    pv = max(16, triton.next_power_of_2(head_dim_v) // 4)
+    piece of PT dims covers ``D - head_dim_v`` (576 - 512 -> 64). Both at least 16 (``tl.dot``); the
+    kernel holds exactly four V pieces because Triton has no lists of tensors."""
+    pv = max(16, next_pow2(head_dim_v) // 4)
     tail = dim - head_dim_v
-    pt = max(16, triton.next_power_of_2(tail)) if tail > 0 else 16
+    pt = max(16, next_pow2(tail)) if tail > 0 else 16
     return pv, pt, tail > 0
 
 
-def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
-                             extra_kv_cache, extra_indices, extra_topk_length, out, lse, *, num_splits=None,
-                             config=None):
-    """CUDA kernel: launches the decode kernel (and the combine kernel when split). Arguments as
-    :func:`sparse_mla_decode_torch`; ``num_splits`` overrides the heuristic (tests use it to exercise
-    the split path on small grids) and ``config`` any of ``block_h``, ``block_n``, ``num_warps``,
-    ``num_stages`` (``scripts/sweep_mla.py`` times the alternatives)."""
+_PLANS = PlanCache()
+
+
+def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
+                   extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan: LaunchPlan):
+    """The launches of one plan, and the workspace size. Absent optional tensors get stand-ins (the
+    ``HAS_*`` constexprs keep them from being read); ``lse`` holds the workspace's place."""
     num_tokens, num_heads, dim = q.shape
-    if num_tokens == 0:
-        return
-    has_extra = extra_kv_cache is not None
-    k_total = indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
-    plan = _plan(num_tokens, num_heads, k_total, multiprocessor_count(q.device, _DEFAULT_SMS), num_splits, config)
     pv, pt, has_tail = _pieces(dim, head_dim_v)
-    splits = plan["num_splits"]
-    if splits > 1:  # workspace sized from shapes only
-        ws_acc = torch.empty((num_tokens, splits, num_heads, 4 * pv), dtype=torch.float32, device=q.device)
-        ws_ml = torch.empty((num_tokens, splits, num_heads, 2), dtype=torch.float32, device=q.device)
-    else:
-        ws_acc = ws_ml = lse  # not read
-    # Absent optional tensors: any tensor stands in; the HAS_* constexprs keep it from being read.
+    splits = plan.num_splits
+    ws_ml_off = num_tokens * splits * num_heads * 4 * pv
+    ws_numel = ws_ml_off + num_tokens * splits * num_heads * 2 if splits > 1 else 0
+    has_extra = extra_kv_cache is not None
     xc = extra_kv_cache if has_extra else kv_cache
     xi = extra_indices if has_extra else indices
     length = topk_length if topk_length is not None else indices
@@ -471,30 +458,67 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format, hea
         sink, sink.stride(0),
         out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse.stride(0), lse.stride(1),
-        ws_acc, ws_ml,
-        num_heads, plan["head_blocks"], splits, float(softmax_scale) * _LOG2E,
+        lse, ws_ml_off,  # the workspace
+        num_heads, plan.head_blocks, splits, float(softmax_scale) * LOG2E,
     )
     fold = kv_format == "fp8_656" and head_dim_v == 512  # the four V pieces are the four scale groups
-    constexprs = dict(
-        BLOCK_H=plan["block_h"], BLOCK_N=plan["block_n"], DV=head_dim_v, PV=pv, D=dim, PT=pt, HAS_TAIL=has_tail,
+    meta = dict(
+        BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, DV=head_dim_v, PV=pv, D=dim, PT=pt, HAS_TAIL=has_tail,
         KV_FORMAT=FORMAT_IDS[kv_format], FOLD=fold, V_RAW=fold and q.dtype == torch.bfloat16,
         HAS_LEN=topk_length is not None, HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
-        HAS_SINK=attn_sink is not None, SPLIT=splits > 1, num_warps=plan["num_warps"],
+        HAS_SINK=attn_sink is not None, SPLIT=splits > 1,
     )
-    grid = (num_tokens * splits * plan["head_blocks"],)
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        try:
-            _sparse_mla_decode_kernel[grid](*args, **constexprs, num_stages=plan["num_stages"])
-        except OutOfResources:  # compile-time only: retry without software pipelining buffers
-            _sparse_mla_decode_kernel[grid](*args, **constexprs, num_stages=1)
-        if splits > 1:
-            block_hc = min(16, triton.next_power_of_2(num_heads))
-            head_blocks_c = triton.cdiv(num_heads, block_hc)
-            _sparse_mla_combine_kernel[(num_tokens * head_blocks_c,)](
-                ws_acc, ws_ml, sink, sink.stride(0),
-                out, out.stride(0), out.stride(1), out.stride(2),
-                lse, lse.stride(0), lse.stride(1),
-                num_heads, head_blocks_c, splits,
-                BLOCK_H=block_hc, DV=head_dim_v, DV_PAD=4 * pv, HAS_SINK=attn_sink is not None,
-                num_warps=4,
-            )
+    main = KernelLaunch(_sparse_mla_decode_kernel, (num_tokens * splits * plan.head_blocks,), args, meta,
+                        num_warps=plan.num_warps, num_stages=plan.num_stages, device=q.device)
+    if splits == 1:
+        return ws_numel, main, None
+    block_hc = min(16, next_pow2(num_heads))
+    head_blocks_c = cdiv(num_heads, block_hc)
+    combine = KernelLaunch(
+        _sparse_mla_combine_kernel, (num_tokens * head_blocks_c,),
+        (lse, ws_ml_off, sink, sink.stride(0), out, out.stride(0), out.stride(1), out.stride(2),
+         lse, lse.stride(0), lse.stride(1), num_heads, head_blocks_c, splits),
+        dict(BLOCK_H=block_hc, DV=head_dim_v, DV_PAD=4 * pv, HAS_SINK=attn_sink is not None),
+        num_warps=4, device=q.device)
+    return ws_numel, main, combine
+
+
+def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=512, topk_length=None,
+                             attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None, *,
+                             out, lse, num_splits=None, config=None):
+    """CUDA kernel: launches the decode kernel (and the combine kernel when split). Arguments as
+    :func:`sparse_mla_decode_torch`; ``num_splits`` and ``config`` (``LaunchPlan`` fields) override
+    the heuristic (tests use them to exercise the split path on small grids, ``scripts/sweep_mla.py``
+    times the alternatives)."""
+    num_tokens = q.shape[0]
+    if num_tokens == 0:
+        return
+    has_extra = extra_kv_cache is not None
+    key = (q.shape, q.stride(), q.dtype, kv_cache.shape, kv_cache.stride(), indices.shape, indices.stride(),
+           None if topk_length is None else topk_length.stride(0),
+           None if attn_sink is None else attn_sink.stride(0),
+           None if not has_extra else (extra_kv_cache.shape, extra_kv_cache.stride(), extra_indices.shape,
+                                       extra_indices.stride()),
+           None if extra_topk_length is None else extra_topk_length.stride(0),
+           out.stride(), lse.stride(), softmax_scale, kv_format, head_dim_v, q.device, num_splits,
+           None if config is None else tuple(sorted(config.items())))
+    entry = _PLANS.get(key)
+    if entry is None:
+        k_total = indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
+        plan = plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device),
+                           num_splits).with_overrides(config)
+        entry = _PLANS.put(key, _make_launches(
+            q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink, extra_kv_cache,
+            extra_indices, extra_topk_length, out, lse, plan))
+    ws_numel, main, combine = entry
+    # Stand-ins for absent optional tensors, in the order of _make_launches.
+    length = topk_length if topk_length is not None else indices
+    xc, xi = (extra_kv_cache, extra_indices) if has_extra else (kv_cache, indices)
+    xlength = extra_topk_length if extra_topk_length is not None else indices
+    sink = attn_sink if attn_sink is not None else lse
+    if combine is None:
+        main(q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse, lse)
+        return
+    ws = torch.empty(ws_numel, dtype=torch.float32, device=q.device)  # sized from shapes only
+    main(q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse, ws)
+    combine(ws, sink, out, lse)

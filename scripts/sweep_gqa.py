@@ -35,7 +35,7 @@ def main():
                 out = torch.empty_like(args[0])
 
                 def run(out=out, cfg=cfg):
-                    sparse_gqa_decode_triton(*args, out, config=cfg)
+                    sparse_gqa_decode_triton(*args, out=out, config=cfg)
 
                 try:
                     us = time_us(run)

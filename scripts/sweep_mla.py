@@ -46,7 +46,7 @@ def main():
             lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device="cuda")
 
             def run(out=out, lse=lse, cfg=cfg):
-                sparse_mla_decode_triton(*call_args, out, lse, config=cfg)
+                sparse_mla_decode_triton(*call_args, out=out, lse=lse, config=cfg)
 
             try:
                 us = time_us(run)

@@ -274,10 +274,10 @@ def test_interpreter_gather(kv_format, dtype):
                              dtype=slot_dtype)  # 19 rows: two programs, the second partial
         want = naive_gather(cache, slots, kv_format, dtype)
         got = poison(torch.empty(slots.shape[0], FMT_DIM[kv_format], dtype=dtype))
-        kernels.kv_cache_gather_triton(cache, slots, kv_format, dtype, got)
+        kernels.kv_cache_gather_triton(cache, slots, kv_format, dtype, out=got)
         assert torch.equal(got, want)
         wide = poison(torch.empty(FMT_DIM[kv_format] + 5, slots.shape[0], dtype=dtype))
-        kernels.kv_cache_gather_triton(cache, slots, kv_format, dtype, wide[2 : 2 + FMT_DIM[kv_format]].T)
+        kernels.kv_cache_gather_triton(cache, slots, kv_format, dtype, out=wide[2 : 2 + FMT_DIM[kv_format]].T)
         assert torch.equal(wide[2 : 2 + FMT_DIM[kv_format]].T, want)
         assert wide[:2].isnan().all() and wide[2 + FMT_DIM[kv_format]:].isnan().all()
 

@@ -187,7 +187,7 @@ def run_compressed_slot_mapping(b: Batch, block_size, ratio, n, backend):
         return tsm.compressed_slot_mapping(b.query_start_loc, b.seq_lens, b.block_table, num_tokens=n,
                                            block_size=block_size, compress_ratio=ratio)
     out = poison(torch.empty(n, dtype=I64, device=b.positions.device))
-    backend(b.query_start_loc, b.seq_lens, b.block_table, block_size, ratio, out)
+    backend(b.query_start_loc, b.seq_lens, b.block_table, block_size, ratio, out=out)
     return out
 
 
@@ -197,6 +197,9 @@ def check_compressed_slot_mapping(b: Batch, block_size, ratio, n, out):
 
 
 CSM_PARAMS = [(4, 1), (4, 2), (2, 4), (1, 128), (3, 3)]  # (block_size, compress_ratio)
+
+
+C128A_OUTPUTS = ("decode_indices", "decode_lens", "prefill_indices")
 
 
 def c128a_outputs(b: Batch, width: int, capacity: int, extra_rows: int = 0):
@@ -357,7 +360,8 @@ def test_non_contiguous_inputs():
     for backend in ([kernels.swa_indices_torch] + ([kernels.swa_indices_triton] if INTERPRETER else [])):
         t = b.positions.shape[0]
         outs = (poison(torch.empty(t, 6, dtype=I32)), poison(torch.empty(t, dtype=I32)))
-        backend(strided.positions, strided.token_to_req, strided.block_table, strided.slot_mapping, 6, 4, *outs)
+        backend(strided.positions, strided.token_to_req, strided.block_table, strided.slot_mapping, 6, 4,
+                indices=outs[0], lens=outs[1])
         check_swa(b, 6, 4, outs)
 
 
@@ -410,7 +414,7 @@ def test_interpreter_c128a_topk_indices(batch):
     for ratio, block_size, width in [(2, 3, 40), (1, 4, 130)]:  # 130: two column blocks
         bufs = c128a_outputs(b, width, capacity=width + 3, extra_rows=1)
         kernels.c128a_topk_indices_triton(b.positions, b.token_to_req, b.block_table, b.slot_mapping, b.num_decode,
-                                          ratio, block_size, width, *bufs)
+                                          ratio, block_size, width, **dict(zip(C128A_OUTPUTS, bufs)))
         check_c128a(b, ratio, block_size, width, bufs, capacity=width + 3)
 
 
@@ -419,7 +423,7 @@ def test_interpreter_c128a_topk_indices(batch):
 def test_interpreter_decode_runtime_metadata(batch_size, q):
     seq_lens = torch.randint(0, 3000, (batch_size,), dtype=I32)
     outs = tuple(poison(torch.empty(batch_size * q, dtype=I32)) for _ in range(2))
-    kernels.decode_runtime_metadata_triton(seq_lens, q, *outs)
+    kernels.decode_runtime_metadata_triton(seq_lens, q, kv_segment_lens=outs[0], qo_offset=outs[1])
     check_drm(seq_lens, q, outs)
 
 
@@ -431,7 +435,7 @@ def test_interpreter_swa_indices(batch):
         t = b.positions.shape[0]
         outs = (poison(torch.empty(t, window + 2, dtype=I32)), poison(torch.empty(t, dtype=I32)))
         kernels.swa_indices_triton(b.positions, b.token_to_req, b.block_table, b.slot_mapping, window, block_size,
-                                   *outs)
+                                   indices=outs[0], lens=outs[1])
         check_swa(b, window, block_size, outs)
 
 
@@ -443,7 +447,7 @@ def test_interpreter_compressed_topk_to_global(batch):
         t = b.local_indices.shape[0]
         outs = (poison(torch.empty(t, k, dtype=I32)), poison(torch.empty(t, dtype=I32)))
         kernels.compressed_topk_to_global_triton(b.local_indices, b.token_to_req, b.block_table, b.slot_mapping, 4,
-                                                 *outs)
+                                                 indices=outs[0], lens=outs[1])
         check_topk(b, 4, outs)
 
 

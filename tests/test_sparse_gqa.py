@@ -297,7 +297,7 @@ INTERPRETER_CASES = [
 def test_triton_interpreter_matches_reference(cfg, num_splits):
     args, _ = make_inputs(cfg, seed=4)
     out = _out_buffer(args, transpose=num_splits == 3)
-    gqa_ops.sparse_gqa_decode_triton(*args.values(), out, num_splits=num_splits)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits)
     assert_matches_reference(out, args)
 
 
@@ -306,7 +306,7 @@ def test_triton_interpreter_no_selection():
     args, _ = make_inputs(Cfg(batch=2, extra_rows=0), seed=5)
     args["topk_pages"] = args["topk_pages"][..., :0]
     out = _out_buffer(args)
-    gqa_ops.sparse_gqa_decode_triton(*args.values(), out)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out)
     assert (out == 0).all()
 
 
@@ -315,13 +315,13 @@ def test_launch_config_splits_small_batches():
     q = torch.empty(1, 64, 128, dtype=BF16)
     cache = torch.empty(8, 4, 128, 256, dtype=FP8)
     small = gqa_ops.launch_config(q, cache, 16, num_sms=132)
-    assert (small.num_splits, small.pages_per_split, small.block_h, small.block_n) == (16, 1, 16, 64)
+    assert (small.num_splits, gqa_ops.pages_per_split(16, small), small.block_h, small.block_n) == (16, 1, 16, 64)
     medium = gqa_ops.launch_config(torch.empty(16, 64, 128, dtype=BF16), cache, 16, num_sms=132)
-    assert (medium.num_splits, medium.pages_per_split) == (4, 4)
+    assert (medium.num_splits, gqa_ops.pages_per_split(16, medium)) == (4, 4)
     large = gqa_ops.launch_config(torch.empty(64, 64, 128, dtype=BF16), cache, 16, num_sms=132)
     assert large.num_splits == 1
     long_list = gqa_ops.launch_config(torch.empty(64, 64, 128, dtype=BF16), cache, 200, num_sms=132)
-    assert long_list.pages_per_split <= 64  # bounds the page-list vector of a program
+    assert gqa_ops.pages_per_split(200, long_list) <= 64  # bounds the page-list vector of a program
     assert gqa_ops.launch_config(q, cache, 16, num_splits=100).num_splits == 16  # never an empty split
 
 
@@ -444,7 +444,7 @@ CUDA_CASES = [
 def test_cuda_matches_reference(cfg, num_splits):
     args, _ = make_inputs(cfg, seed=10, device="cuda")
     out = _out_buffer(args, transpose=num_splits == 4)
-    gqa_ops.sparse_gqa_decode_triton(*args.values(), out, num_splits=num_splits)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits)
     assert_matches_reference(out, args)
     assert_matches_reference(_public(args), args)
 
@@ -459,7 +459,7 @@ def test_cuda_large_batch_matches_torch_kernel(dql):
     args, _ = make_inputs(cfg, seed=11, device="cuda")
     out = _public(args)
     expected = _out_buffer(args)
-    gqa_ops.sparse_gqa_decode_torch(*args.values(), expected)
+    gqa_ops.sparse_gqa_decode_torch(*args.values(), out=expected)
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.float(), expected.float(), atol=2e-2, rtol=2e-2)
 

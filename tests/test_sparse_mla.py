@@ -369,7 +369,7 @@ def _rounds_k(spec: Spec) -> bool:
 def test_triton_interpreter_parity(spec, num_splits):
     kwargs = make_inputs(spec)
     out, lse = _outputs_like(kwargs)
-    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out, lse, num_splits=num_splits)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=num_splits)
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True, rounded_k=_rounds_k(spec))
 
 
@@ -377,11 +377,11 @@ def test_triton_interpreter_parity(spec, num_splits):
 @pytest.mark.parametrize("kv_format", fr.FORMATS)
 def test_triton_interpreter_block_n_64(kv_format):
     """The 64-entry blocks the launcher picks when the grid is full (T * head blocks >= SMs)."""
-    assert mla_ops._plan(160, 64, 200, 132)["block_n"] == 64
+    assert mla_ops.plan_launch(160, 64, 200, 132).block_n == 64
     spec = Spec(kv_format=kv_format, T=2, H=20, K=100, K2=40, dtype=torch.float16, lengths=True, sink="finite")
     kwargs = make_inputs(spec)
     out, lse = _outputs_like(kwargs)
-    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out, lse, config=dict(block_n=64))
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, config=dict(block_n=64))
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True, rounded_k=_rounds_k(spec))
 
 
@@ -389,11 +389,11 @@ def test_triton_interpreter_block_n_64(kv_format):
 def test_triton_interpreter_split_heuristic():
     """T * head blocks far below the SM count: the launcher splits the list (and still matches)."""
     spec = Spec(kv_format="fp8_584", T=1, H=16, K=1024, dtype=torch.float16, lengths=True)
-    plan = mla_ops._plan(1, 16, 1024, 132)
-    assert plan["num_splits"] > 1
+    plan = mla_ops.plan_launch(1, 16, 1024, 132)
+    assert plan.num_splits > 1
     kwargs = make_inputs(spec)
     out, lse = _outputs_like(kwargs)
-    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out, lse)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse)
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 

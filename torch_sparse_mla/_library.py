@@ -1,39 +1,51 @@
-"""Every schema of the ``sparse_mla`` namespace, and the glue that registers its implementations.
+"""Every schema of the ``sparse_mla`` namespace, and the registration of its implementations.
 
-Each operator ``NAME`` has a functional overload that returns new tensors and an ``out`` overload that
-writes caller-owned buffers and returns nothing (``kv_cache_insert`` writes the cache and has only
-that form). For every overload three implementations are registered:
+``torch.ops.sparse_mla`` is the library's namespace (it also holds the sparse GQA operator). Each
+operator ``NAME`` has a functional overload that returns new tensors and an ``out`` overload that
+writes caller-owned buffers and returns nothing (``kv_cache_insert`` writes the cache and has only that
+form). Three implementations are registered for every overload, by name, at the bottom of this file:
 
-- a fake (``meta_kernels/<family>.py``, function ``NAME`` / ``NAME_out``): validates the arguments
-  from metadata alone and allocates the functional outputs;
-- a CPU kernel (``ops/<family>.py``, ``NAME_torch``): vectorised PyTorch;
-- a CUDA kernel (``ops/<family>.py``, ``NAME_triton``): a Triton launcher.
+- the fake (``meta_kernels/<family>.py``: ``NAME`` / ``NAME_out``), which validates the arguments from
+  metadata alone and allocates the functional outputs;
+- under ``CPU`` the vectorised PyTorch kernel (``ops/<family>.py``: ``NAME_torch``);
+- under ``CUDA`` the Triton launcher (``ops/<family>.py``: ``NAME_triton``).
 
-The real implementations run the fake first (same checks, same output allocation, so the fake
-mirrors the real shape logic exactly) and then one kernel entry point, which always takes the ``out``
-overload's positional arguments followed by the output tensors. Registration uses
-``torch.library.define``/``impl`` rather than ``custom_op``: it is about 3x cheaper per eager call and
-it is the route that allows the ``.out`` overloads.
+A real implementation runs the fake first (same checks, same output allocation, so the fake mirrors
+the real shape logic exactly) and then its kernel; the checks read metadata only, so a call whose
+argument signature (shapes, strides, dtypes, devices, scalar values) already passed them skips them. Kernel entry points take the ``out`` overload's
+arguments with the schema's defaults (the dispatcher drops trailing arguments left at their default)
+and the outputs as keyword arguments. Registration uses ``torch.library.Library.define``/``impl``
+rather than ``custom_op``: it is cheaper per eager call and it is the route that allows the ``out``
+overloads.
 """
 
 from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla.meta_kernels import kv_cache as _kv_cache_meta
-from torch_sparse_mla.meta_kernels import metadata as _metadata_meta
-from torch_sparse_mla.meta_kernels import sparse_gqa as _sparse_gqa_meta
-from torch_sparse_mla.meta_kernels import sparse_mla as _sparse_mla_meta
-from torch_sparse_mla.ops import kv_cache as _kv_cache_ops
-from torch_sparse_mla.ops import metadata as _metadata_ops
-from torch_sparse_mla.ops import sparse_gqa as _sparse_gqa_ops
-from torch_sparse_mla.ops import sparse_mla as _sparse_mla_ops
+try:
+    from .meta_kernels import kv_cache as kv_cache_meta
+    from .meta_kernels import metadata as metadata_meta
+    from .meta_kernels import sparse_gqa as sparse_gqa_meta
+    from .meta_kernels import sparse_mla as sparse_mla_meta
+    from .ops import kv_cache as kv_cache_ops
+    from .ops import metadata as metadata_ops
+    from .ops import sparse_gqa as sparse_gqa_ops
+    from .ops import sparse_mla as sparse_mla_ops
+except ModuleNotFoundError as exc:  # a source checkout imported without installation
+    if exc.name not in ("torch_sparse_mla.ops", "torch_sparse_mla.meta_kernels"):
+        raise
+    raise ModuleNotFoundError(
+        f"{exc.name} is missing: the repository's ops/ and meta_kernels/ folders become "
+        "torch_sparse_mla.ops and torch_sparse_mla.meta_kernels only when the package is installed "
+        "(package-dir in pyproject.toml). Run `pip install -e .` in the repository first.",
+        name=exc.name) from exc
 
 NAMESPACE = "sparse_mla"
 
 # name -> (functional schema or None, out schema, output names of the out overload)
 SCHEMAS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
-    # -- metadata (SPEC sections 1-4) ---------------------------------------------------------------
+    # -- metadata (docs/operators.md) ---------------------------------------------------------------
     "compressed_slot_mapping": (
         "(Tensor query_start_loc, Tensor seq_lens, Tensor block_table, SymInt num_tokens, "
         "int block_size, int compress_ratio) -> Tensor",
@@ -70,7 +82,7 @@ SCHEMAS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
         "int block_size, *, Tensor(a!) indices, Tensor(b!) lens) -> ()",
         ("indices", "lens"),
     ),
-    # -- KV cache formats (SPEC section 5) ------------------------------------------------------------
+    # -- KV cache formats (docs/operators.md) ------------------------------------------------------------
     "kv_cache_insert": (
         None,
         "(Tensor kv, Tensor slot_mapping, Tensor(a!) kv_cache, str kv_format) -> ()",
@@ -82,7 +94,7 @@ SCHEMAS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
         "Tensor(a!) out) -> ()",
         ("out",),
     ),
-    # -- attention (SPEC sections 6-7) ----------------------------------------------------------------
+    # -- attention (docs/operators.md) ----------------------------------------------------------------
     "sparse_mla_decode": (
         "(Tensor q, Tensor kv_cache, Tensor indices, float softmax_scale, str kv_format=\"auto\", "
         "int head_dim_v=512, Tensor? topk_length=None, Tensor? attn_sink=None, "
@@ -105,91 +117,124 @@ SCHEMAS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     ),
 }
 
-# name -> (fake/validation module, kernel module)
-FAMILIES = {
-    "compressed_slot_mapping": (_metadata_meta, _metadata_ops),
-    "c128a_topk_indices": (_metadata_meta, _metadata_ops),
-    "decode_runtime_metadata": (_metadata_meta, _metadata_ops),
-    "swa_indices": (_metadata_meta, _metadata_ops),
-    "compressed_topk_to_global": (_metadata_meta, _metadata_ops),
-    "kv_cache_insert": (_kv_cache_meta, _kv_cache_ops),
-    "kv_cache_gather": (_kv_cache_meta, _kv_cache_ops),
-    "sparse_mla_decode": (_sparse_mla_meta, _sparse_mla_ops),
-    "sparse_gqa_decode": (_sparse_gqa_meta, _sparse_gqa_ops),
-}
-
 _lib = torch.library.Library(NAMESPACE, "DEF")
+for _name, (_functional_schema, _out_schema, _) in SCHEMAS.items():
+    if _functional_schema is not None:
+        _lib.define(_name + _functional_schema)
+        _lib.define(_name + ".out" + _out_schema)
+    else:
+        _lib.define(_name + _out_schema)
 
 
-def _kernel(kernels, name: str, device: torch.device):
-    """The CUDA device runs the Triton launcher, every other device the PyTorch kernel."""
-    return getattr(kernels, f"{name}_triton" if device.type == "cuda" else f"{name}_torch")
+def _metadata_key(args: tuple, outputs=()) -> tuple:
+    """Everything a fake's checks read: shape, strides, dtype and device of each tensor, and the value
+    of every other argument."""
+    return (*[(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args],
+            *[(a.shape, a.stride(), a.dtype, a.device) for a in outputs])
 
 
-def _functional_to_out_args(name: str, args: tuple) -> tuple:
-    """The kernels take the ``out`` overload's positional arguments; only
-    ``compressed_slot_mapping`` has a functional-only argument (``num_tokens``, the output length)."""
-    if name == "compressed_slot_mapping":
-        return args[:3] + args[4:]
-    return args
+class _Validated(dict):
+    """Argument signatures the fake has already accepted (by :func:`_metadata_key`). The checks read
+    metadata only, so a signature that passed once passes again: a real call with a known signature
+    skips them. Bounded like the launch-plan caches."""
+
+    def put(self, key, value):
+        if len(self) >= 4096:
+            self.clear()
+        self[key] = value
 
 
-def _full_args(schema, args: tuple) -> tuple:
-    """The positional arguments with the schema's defaults filled in: the dispatcher drops trailing
-    arguments left at their defaults before calling a Python kernel, and the kernels take them all."""
-    params = [a for a in schema.arguments if not a.kwarg_only]
-    if len(args) >= len(params):
-        return args
-    return args + tuple(a.default_value for a in params[len(args):])
+def _functional(name: str, fake, kernel):
+    """The real functional overload: ``fake`` checks and allocates, ``kernel`` fills the outputs."""
+    outputs = SCHEMAS[name][2]
+    seen = _Validated()  # signature -> (shape, dtype) of each output
+
+    def impl(*args):
+        key = _metadata_key(args)
+        specs = seen.get(key)
+        if specs is None:
+            result = fake(*args)
+            result = result if isinstance(result, tuple) else (result,)
+            seen.put(key, tuple((r.shape, r.dtype) for r in result))
+        else:
+            device = args[0].device
+            result = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+        kernel(*args, **dict(zip(outputs, result)))
+        return result if len(result) > 1 else result[0]
+
+    impl.__name__ = f"{name}_{kernel.__name__.rsplit('_', 1)[-1]}"
+    return impl
 
 
-def _make_functional(name: str, fake, kernels):
-    schema = None
+def _out(name: str, fake_out, kernel):
+    """The real ``out`` overload (or the only overload of a writing operator): check, then write."""
+    seen = _Validated()
 
-    def functional(*args):
-        nonlocal schema
-        schema = schema or getattr(torch.ops.sparse_mla, name).default._schema
-        args = _full_args(schema, args)
-        outputs = fake(*args)
-        tensors = outputs if isinstance(outputs, tuple) else (outputs,)
-        _kernel(kernels, name, args[0].device)(*_functional_to_out_args(name, args), *tensors)
-        return outputs
+    def impl(*args, **outputs):
+        key = _metadata_key(args, outputs.values())
+        if key not in seen:
+            fake_out(*args, **outputs)
+            seen.put(key, True)
+        kernel(*args, **outputs)
 
-    functional.__name__ = f"{name}_impl"
-    return functional
-
-
-def _make_out(name: str, out_fake, kernels, out_names: tuple[str, ...], overload: str):
-    schema = None
-
-    def out_overload(*args, **outputs):
-        nonlocal schema
-        schema = schema or getattr(getattr(torch.ops.sparse_mla, name), overload)._schema
-        args = _full_args(schema, args)
-        out_fake(*args, **outputs)
-        _kernel(kernels, name, args[0].device)(*args, *(outputs[n] for n in out_names))
-
-    out_overload.__name__ = f"{name}_out_impl"
-    return out_overload
+    impl.__name__ = f"{name}_out_{kernel.__name__.rsplit('_', 1)[-1]}"
+    return impl
 
 
-def _register_all() -> None:
-    for name, (functional_schema, out_schema, out_names) in SCHEMAS.items():
-        fakes, kernels = FAMILIES[name]
-        if functional_schema is not None:
-            _lib.define(name + functional_schema)
-            impl = _make_functional(name, getattr(fakes, name), kernels)
-            _lib.impl(name, impl, "CPU")
-            _lib.impl(name, impl, "CUDA")
-            torch.library.register_fake(f"{NAMESPACE}::{name}", getattr(fakes, name), lib=_lib)
-            out_name, out_fake, overload = f"{name}.out", getattr(fakes, f"{name}_out"), "out"
-        else:  # a writing operator with a single (default) overload
-            out_name, out_fake, overload = name, getattr(fakes, name), "default"
-        _lib.define(out_name + out_schema)
-        impl = _make_out(name, out_fake, kernels, out_names, overload)
-        _lib.impl(out_name, impl, "CPU")
-        _lib.impl(out_name, impl, "CUDA")
-        torch.library.register_fake(f"{NAMESPACE}::{out_name}", out_fake, lib=_lib)
+def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, functional_cuda=None) -> None:
+    """Fakes and the CPU / CUDA kernels of one operator. ``functional_*`` replace the generic
+    functional wrapper where the functional overload has arguments the kernels do not take."""
+    if fake is not None:
+        _lib.impl(name, functional_cpu or _functional(name, fake, cpu), "CPU")
+        _lib.impl(name, functional_cuda or _functional(name, fake, cuda), "CUDA")
+        torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
+        name = name + ".out"
+    _lib.impl(name, _out(name, fake_out, cpu), "CPU")
+    _lib.impl(name, _out(name, fake_out, cuda), "CUDA")
+    torch.library.register_fake(f"{NAMESPACE}::{name}", fake_out, lib=_lib)
 
 
-_register_all()
+def _compressed_slot_mapping(kernel):
+    """Functional ``compressed_slot_mapping``: ``num_tokens`` sizes the output and is not a kernel argument."""
+
+    def impl(query_start_loc, seq_lens, block_table, num_tokens, block_size, compress_ratio):
+        out = metadata_meta.compressed_slot_mapping(query_start_loc, seq_lens, block_table, num_tokens, block_size,
+                                                    compress_ratio)
+        kernel(query_start_loc, seq_lens, block_table, block_size, compress_ratio, out=out)
+        return out
+
+    return impl
+
+
+# -- metadata ------------------------------------------------------------------------------------------
+_register("compressed_slot_mapping",
+          fake=metadata_meta.compressed_slot_mapping, fake_out=metadata_meta.compressed_slot_mapping_out,
+          cpu=metadata_ops.compressed_slot_mapping_torch, cuda=metadata_ops.compressed_slot_mapping_triton,
+          functional_cpu=_compressed_slot_mapping(metadata_ops.compressed_slot_mapping_torch),
+          functional_cuda=_compressed_slot_mapping(metadata_ops.compressed_slot_mapping_triton))
+_register("c128a_topk_indices",
+          fake=metadata_meta.c128a_topk_indices, fake_out=metadata_meta.c128a_topk_indices_out,
+          cpu=metadata_ops.c128a_topk_indices_torch, cuda=metadata_ops.c128a_topk_indices_triton)
+_register("decode_runtime_metadata",
+          fake=metadata_meta.decode_runtime_metadata, fake_out=metadata_meta.decode_runtime_metadata_out,
+          cpu=metadata_ops.decode_runtime_metadata_torch, cuda=metadata_ops.decode_runtime_metadata_triton)
+_register("swa_indices",
+          fake=metadata_meta.swa_indices, fake_out=metadata_meta.swa_indices_out,
+          cpu=metadata_ops.swa_indices_torch, cuda=metadata_ops.swa_indices_triton)
+_register("compressed_topk_to_global",
+          fake=metadata_meta.compressed_topk_to_global, fake_out=metadata_meta.compressed_topk_to_global_out,
+          cpu=metadata_ops.compressed_topk_to_global_torch, cuda=metadata_ops.compressed_topk_to_global_triton)
+# -- KV cache --------------------------------------------------------------------------------------------
+_register("kv_cache_insert",
+          fake=None, fake_out=kv_cache_meta.kv_cache_insert,
+          cpu=kv_cache_ops.kv_cache_insert_torch, cuda=kv_cache_ops.kv_cache_insert_triton)
+_register("kv_cache_gather",
+          fake=kv_cache_meta.kv_cache_gather, fake_out=kv_cache_meta.kv_cache_gather_out,
+          cpu=kv_cache_ops.kv_cache_gather_torch, cuda=kv_cache_ops.kv_cache_gather_triton)
+# -- attention -------------------------------------------------------------------------------------------
+_register("sparse_mla_decode",
+          fake=sparse_mla_meta.sparse_mla_decode, fake_out=sparse_mla_meta.sparse_mla_decode_out,
+          cpu=sparse_mla_ops.sparse_mla_decode_torch, cuda=sparse_mla_ops.sparse_mla_decode_triton)
+_register("sparse_gqa_decode",
+          fake=sparse_gqa_meta.sparse_gqa_decode, fake_out=sparse_gqa_meta.sparse_gqa_decode_out,
+          cpu=sparse_gqa_ops.sparse_gqa_decode_torch, cuda=sparse_gqa_ops.sparse_gqa_decode_triton)

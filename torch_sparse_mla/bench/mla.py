@@ -20,7 +20,7 @@ import torch
 
 from torch_sparse_mla import sparse_mla_decode
 from torch_sparse_mla.bench.common import Case
-from torch_sparse_mla.ops._formats import bytes_per_token, cache_dim
+from torch_sparse_mla.meta_kernels._formats import bytes_per_token, cache_dim
 from torch_sparse_mla.ops.sparse_mla import sparse_mla_decode_dense
 
 PAGE_SIZE = 64

@@ -1,0 +1,212 @@
+"""How every CUDA launcher of the library plans and launches its kernels.
+
+One set of conventions for all of them (metadata, KV cache, sparse MLA, sparse GQA):
+
+- **Plans from shapes only.** A launcher turns the shapes, strides, dtypes and flags of its arguments
+  into a plan (grid, block sizes, warps, split count, constexprs). Plans are pure functions of that
+  key and are cached in a :class:`PlanCache`, so an eager call in steady state does one dictionary
+  lookup instead of re-deriving the configuration. No autotuning: a CUDA graph captures exactly the
+  launches of the plan, and replays are valid for any tensor values.
+- **Plain integer arithmetic.** :func:`cdiv` and :func:`next_pow2` are ordinary Python functions
+  (``triton.cdiv`` is a ``constexpr_function`` wrapper that costs microseconds per call).
+- **One device rule.** Kernels run on the device of their tensors, whatever the current device is:
+  :class:`KernelLaunch` launches on that device's current stream, switching the current device only
+  for the launch when it differs.
+- **Cheap launches.** :class:`KernelLaunch` holds one kernel with a fixed grid and fixed constexprs.
+  Its first call per pointer-alignment pattern goes through Triton's normal ``kernel[grid](...)``
+  (which compiles or loads the kernel and returns the compiled handle); later calls launch that
+  handle directly, skipping Triton's per-call argument binding and cache-key computation. The
+  shortcut relies on the ``CompiledKernel.run`` calling convention shared by the Triton versions the
+  library is tested with (3.6 and 3.7); with any other version, under the Triton interpreter, or with
+  ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the normal path. Triton's
+  launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as proton) are not called
+  on the shortcut; set that variable while profiling with them.
+- **Constants** shared by the attention kernels: :data:`LOG2E`, and :data:`OFF_CUDA_SMS`, the
+  multiprocessor count plans assume off CUDA (the Triton interpreter on CPU tensors), small so that
+  interpreter grids stay small.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import torch
+
+from ._triton import HAS_TRITON, triton
+
+if HAS_TRITON:
+    from triton.runtime.errors import OutOfResources
+else:  # pragma: no cover - exercised only where Triton is absent
+    OutOfResources = RuntimeError
+
+LOG2E = 1.4426950408889634
+OFF_CUDA_SMS = 4
+
+_PLAN_CACHE_SIZE = 4096
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two ``>= n`` (1 for ``n <= 1``)."""
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def prev_pow2(n: int) -> int:
+    """The largest power of two ``<= max(n, 1)``."""
+    return 1 << (max(n, 1).bit_length() - 1)
+
+
+_SMS: dict[int, int] = {}
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Multiprocessors of a CUDA device (cached), or :data:`OFF_CUDA_SMS` off CUDA."""
+    if device.type != "cuda":
+        return OFF_CUDA_SMS
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    count = _SMS.get(index)
+    if count is None:
+        count = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return count
+
+
+@dataclasses.dataclass(frozen=True)
+class LaunchPlan:
+    """The launch configuration of an attention kernel (sparse MLA and sparse GQA), from shapes only.
+
+    ``block_h`` query heads per program (``head_blocks`` programs cover the heads of a token or of a
+    KV head's group), ``block_n`` keys per tile, the key list of each row split over ``num_splits``
+    programs (merged by a combine kernel when > 1), ``num_warps`` and ``num_stages`` for the compiler.
+    Launchers accept ``num_splits=`` and ``config={field: value}`` overrides (tests use them to reach
+    every path on small inputs, ``scripts/sweep_*.py`` to time alternatives).
+    """
+
+    block_h: int
+    head_blocks: int
+    block_n: int
+    num_splits: int
+    num_warps: int
+    num_stages: int
+
+    def with_overrides(self, config: dict | None) -> "LaunchPlan":
+        if not config:
+            return self
+        unknown = set(config) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"config: unknown launch settings {sorted(unknown)}")
+        return dataclasses.replace(self, **config)
+
+
+class PlanCache(dict):
+    """Launch plans by key (shapes, strides, dtypes, flags, device). Bounded: when full it starts
+    over, so a workload that never repeats a shape cannot grow it without limit."""
+
+    def put(self, key, plan):
+        if len(self) >= _PLAN_CACHE_SIZE:
+            self.clear()
+        self[key] = plan
+        return plan
+
+
+def _fast_launch_supported() -> bool:
+    if not HAS_TRITON or os.environ.get("TORCH_SPARSE_MLA_JIT_LAUNCH") == "1":
+        return False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return False
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    return (major, minor) in ((3, 6), (3, 7))
+
+
+_FAST = _fast_launch_supported()
+
+
+def _get_device() -> int:
+    return torch._C._cuda_getDevice()
+
+
+def _raw_stream(index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(index)
+
+
+class KernelLaunch:
+    """One Triton kernel with a fixed grid, constexprs and compile options, ready to launch.
+
+    ``args`` is the kernel's positional (run-time) arguments of the first call: tensors at some
+    positions, integers and floats elsewhere. Only the tensors change from call to call: a call passes
+    them, in the order they have in ``args``, and the planned integers and floats are reused (they
+    belong to the plan's key). ``meta`` holds the constexprs, which must be the kernel's remaining
+    parameters. No tensor of ``args`` is kept.
+    """
+
+    __slots__ = ("kernel", "grid", "meta", "options", "template", "tensor_pos", "device", "compiled")
+
+    def __init__(self, kernel, grid, args: tuple, meta: dict, *, num_warps: int, num_stages: int | None = None,
+                 device: torch.device):
+        self.kernel = kernel
+        self.grid = tuple(grid) + (1,) * (3 - len(grid))
+        self.meta = meta
+        self.options = {"num_warps": num_warps}
+        if num_stages is not None:
+            self.options["num_stages"] = num_stages
+        self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        template = [None if isinstance(a, torch.Tensor) else a for a in args]
+        names = getattr(kernel, "arg_names", None)
+        if names is not None:  # the shortcut passes every parameter, constexprs included, in order
+            if len(args) + len(meta) != len(names) or any(n not in meta for n in names[len(args):]):
+                raise TypeError(f"{kernel.__name__}: {len(args)} arguments and constexprs {sorted(meta)} do not "
+                                f"match its parameters {names}")
+            template += [meta[n] for n in names[len(args):]]
+        self.template = template
+        self.device = device.index if device.type == "cuda" else None
+        self.compiled = {}
+
+    def __call__(self, *tensors) -> None:
+        args = self.template.copy()
+        for i, t in zip(self.tensor_pos, tensors):
+            args[i] = t
+        if self.device is None or not _FAST:
+            self._jit_launch(args)
+            return
+        align = 0
+        for t in tensors:
+            align = (align << 1) | (t.data_ptr() % 16 == 0)
+        compiled = self.compiled.get(align)
+        if compiled is None:
+            compiled = self._jit_launch(args)
+            if hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
+                self.compiled[align] = compiled
+            return
+        g0, g1, g2 = self.grid
+        if _get_device() == self.device:
+            compiled.run(g0, g1, g2, _raw_stream(self.device), compiled.function, compiled.packed_metadata,
+                         None, None, None, *args)
+        else:
+            with torch.cuda.device(self.device):
+                compiled.run(g0, g1, g2, _raw_stream(self.device), compiled.function, compiled.packed_metadata,
+                             None, None, None, *args)
+
+    def _jit_launch(self, args):
+        n = len(args) - len(self.meta) if getattr(self.kernel, "arg_names", None) is not None else len(args)
+        if self.device is None or _get_device() == self.device:
+            return self._jit_launch_here(args[:n])
+        with torch.cuda.device(self.device):
+            return self._jit_launch_here(args[:n])
+
+    def _jit_launch_here(self, args):
+        try:
+            return self.kernel[self.grid](*args, **self.meta, **self.options)
+        except OutOfResources:
+            # Software-pipelining buffers are the one thing that can be given up for shared memory;
+            # the compile failure happens before any launch, so retrying is safe. Kept for later calls.
+            if self.options.get("num_stages", 1) <= 1:
+                raise
+            self.options["num_stages"] = 1
+            return self.kernel[self.grid](*args, **self.meta, **self.options)
+
+
+__all__ = ["LOG2E", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan", "PlanCache", "cdiv", "multiprocessor_count", "next_pow2",
+           "prev_pow2"]
