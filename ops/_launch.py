@@ -21,7 +21,8 @@ One set of conventions for all of them (metadata, KV cache, sparse MLA, sparse G
   ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the normal path. Triton's
   launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as proton) are not called
   on the shortcut; set that variable while profiling with them.
-- **Constants** shared by the attention kernels: :data:`LOG2E`, and :data:`OFF_CUDA_SMS`, the
+- **Constants** shared by the attention kernels: :data:`LOG2E` (``LOG2E_CONST`` inside kernels), and
+  :data:`OFF_CUDA_SMS`, the
   multiprocessor count plans assume off CUDA (the Triton interpreter on CPU tensors), small so that
   interpreter grids stay small.
 """
@@ -33,7 +34,7 @@ import os
 
 import torch
 
-from ._triton import HAS_TRITON, triton
+from ._triton import HAS_TRITON, tl, triton
 
 if HAS_TRITON:
     from triton.runtime.errors import OutOfResources
@@ -42,6 +43,8 @@ else:  # pragma: no cover - exercised only where Triton is absent
 
 LOG2E = 1.4426950408889634
 OFF_CUDA_SMS = 4
+# The same constant for use inside kernels (compiled kernels read only constexpr globals).
+LOG2E_CONST = tl.constexpr(LOG2E) if HAS_TRITON else LOG2E
 
 _PLAN_CACHE_SIZE = 4096
 
@@ -208,5 +211,5 @@ class KernelLaunch:
             return self.kernel[self.grid](*args, **self.meta, **self.options)
 
 
-__all__ = ["LOG2E", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan", "PlanCache", "cdiv", "multiprocessor_count", "next_pow2",
+__all__ = ["LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan", "PlanCache", "cdiv", "multiprocessor_count", "next_pow2",
            "prev_pow2"]

@@ -34,8 +34,9 @@ from ._formats import (
     load_fp8_656_scales,
     load_kv_cols,
 )
-from ._launch import LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2
+from ._launch import LOG2E, LOG2E_CONST, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2
 from ._triton import tl, triton
+from . import sparse_mla_hopper as hopper
 
 _TORCH_CHUNK_ELEMENTS = 1 << 24  # float32 elements of dequantised K (and scores) per CPU chunk of tokens
 _MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split program, so the combine stays cheap
@@ -237,7 +238,7 @@ def _finish_rows(m_i, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK: tl.c
     """Natural-log ``lse`` [BLOCK_H] and the factor that turns ``acc`` into ``out`` (1/l times the
     sink's ``1 / (1 + exp(sink - lse))``); rows without a candidate get ``+inf`` and 0."""
     has = l_i > 0
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E, float("inf"))
+    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E_CONST, float("inf"))
     factor = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if HAS_SINK:
         sink = tl.load(sink_ptr + heads * stride_sink, mask=head_ok, other=float("-inf"))
@@ -472,23 +473,51 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
                         num_warps=plan.num_warps, num_stages=plan.num_stages, device=q.device)
     if splits == 1:
         return ws_numel, main, None
+    return ws_numel, main, _make_combine(num_tokens, num_heads, head_dim_v, 4 * pv, splits, ws_ml_off, attn_sink,
+                                         out, lse)
+
+
+def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, attn_sink, out, lse):
+    """The combine launch of a split plan (both decode kernels write the same workspace layout);
+    tensors in the order ``ws, sink, out, lse`` (``lse`` holds the places of the workspace and of an
+    absent sink here)."""
+    sink = attn_sink if attn_sink is not None else lse
     block_hc = min(16, next_pow2(num_heads))
     head_blocks_c = cdiv(num_heads, block_hc)
-    combine = KernelLaunch(
+    return KernelLaunch(
         _sparse_mla_combine_kernel, (num_tokens * head_blocks_c,),
         (lse, ws_ml_off, sink, sink.stride(0), out, out.stride(0), out.stride(1), out.stride(2),
          lse, lse.stride(0), lse.stride(1), num_heads, head_blocks_c, splits),
-        dict(BLOCK_H=block_hc, DV=head_dim_v, DV_PAD=4 * pv, HAS_SINK=attn_sink is not None),
-        num_warps=4, device=q.device)
-    return ws_numel, main, combine
+        dict(BLOCK_H=block_hc, DV=head_dim_v, DV_PAD=dv_pad, HAS_SINK=attn_sink is not None),
+        num_warps=4, device=out.device)
+
+
+def _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink, extra_kv_cache,
+                          extra_indices, extra_topk_length, out, lse, plan: LaunchPlan):
+    num_tokens, num_heads, _ = q.shape
+    main = hopper.make_launch(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink,
+                              extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
+    if plan.num_splits == 1:
+        return 0, main, None
+    ws_ml_off = num_tokens * plan.num_splits * num_heads * 512
+    ws_numel = ws_ml_off + num_tokens * plan.num_splits * num_heads * 2
+    return ws_numel, main, _make_combine(num_tokens, num_heads, 512, 512, plan.num_splits, ws_ml_off, attn_sink, out,
+                                         lse)
+
+
+def kernel_path(q, kv_cache, kv_format="auto", head_dim_v=512, extra_kv_cache=None) -> str:
+    """``"hopper"`` or ``"portable"``: the kernel :func:`sparse_mla_decode_triton` runs for these shapes."""
+    return "hopper" if hopper.supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) else "portable"
 
 
 def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=512, topk_length=None,
                              attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None, *,
-                             out, lse, num_splits=None, config=None):
+                             out, lse, num_splits=None, config=None, path=None):
     """CUDA kernel: launches the decode kernel (and the combine kernel when split). Arguments as
-    :func:`sparse_mla_decode_torch`; ``num_splits`` and ``config`` (``LaunchPlan`` fields) override
-    the heuristic (tests use them to exercise the split path on small grids, ``scripts/sweep_mla.py``
+    :func:`sparse_mla_decode_torch`. ``path`` picks the kernel: ``"hopper"`` (``ops/sparse_mla_hopper.py``;
+    the default wherever :func:`sparse_mla_hopper.supported` holds), ``"portable"`` (the Triton kernel
+    below; every other case). ``num_splits`` and ``config`` (``LaunchPlan`` fields) override the
+    heuristic (tests use them to exercise the split path on small grids, ``scripts/sweep_mla.py``
     times the alternatives)."""
     num_tokens = q.shape[0]
     if num_tokens == 0:
@@ -501,15 +530,25 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
                                        extra_indices.stride()),
            None if extra_topk_length is None else extra_topk_length.stride(0),
            out.stride(), lse.stride(), softmax_scale, kv_format, head_dim_v, q.device, num_splits,
-           None if config is None else tuple(sorted(config.items())))
+           None if config is None else tuple(sorted(config.items())), path)
     entry = _PLANS.get(key)
     if entry is None:
         k_total = indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
-        plan = plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device),
-                           num_splits).with_overrides(config)
-        entry = _PLANS.put(key, _make_launches(
-            q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink, extra_kv_cache,
-            extra_indices, extra_topk_length, out, lse, plan))
+        use_hopper = path != "portable" and hopper.supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache)
+        if path == "hopper" and not use_hopper:
+            raise ValueError("path: the Hopper kernel does not serve these arguments (see "
+                             "ops/sparse_mla_hopper.py::supported)")
+        if use_hopper:
+            plan = hopper.plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device),
+                                      num_splits).with_overrides(config)
+            entry = _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink,
+                                          extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
+        else:
+            plan = plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device),
+                               num_splits).with_overrides(config)
+            entry = _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
+                                   extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
+        entry = _PLANS.put(key, entry)
     ws_numel, main, combine = entry
     # Stand-ins for absent optional tensors, in the order of _make_launches.
     length = topk_length if topk_length is not None else indices

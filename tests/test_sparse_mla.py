@@ -50,6 +50,7 @@ class Spec:
     scale: float = 0.06  # softmax_scale (0.3 gives peaky softmaxes)
     page_size: int = 16
     pool: int = 96  # filled (non-NaN) slots per cache; indices are drawn from them (duplicates happen)
+    extra_page_pad: int | None = None  # default: 2 * page_pad + 3 (an odd page stride)
 
     @property
     def D(self) -> int:
@@ -123,7 +124,8 @@ def make_inputs(spec: Spec, seed: int = 0, value_seed: int | None = None) -> dic
     gen = torch.Generator().manual_seed(seed)
     main = _make_cache(spec, gen)
     # The extra cache has its own page size and padding: the kernels must not mix up the two layouts.
-    extra_spec = dataclasses.replace(spec, page_size=spec.page_size // 2, page_pad=spec.page_pad * 2 + 3)
+    extra_pad = spec.page_pad * 2 + 3 if spec.extra_page_pad is None else spec.extra_page_pad
+    extra_spec = dataclasses.replace(spec, page_size=spec.page_size // 2, page_pad=extra_pad)
     extra = _make_cache(extra_spec, gen) if spec.K2 else None
     gen = torch.Generator().manual_seed(1000 + (seed if value_seed is None else value_seed))
     idx, lengths = _make_list(spec, spec.K, main, gen)
@@ -642,3 +644,69 @@ def test_cuda_compile_reduce_overhead():
         out, lse = step(new["q"].cuda(), new["indices"].cuda(), new["topk_length"].cuda())
         assert_matches(out.clone(), lse.clone(), *reference(**new), tensor_cores=True)
     assert torch._dynamo.utils.counters["inductor"]["cudagraph_skips"] == 0
+
+
+# -- the Hopper kernel (ops/sparse_mla_hopper.py): sm_90 only, not runnable under the interpreter ---------
+
+_HOPPER = [Spec(kv_format=f, T=t, H=h, K=k, dim=d) for f, d in (("fp8_656", None), ("fp8_584", None),
+                                                                 ("auto", 576), ("auto", 512))
+           for t, h, k in [(2, 1, 1), (3, 20, 7), (1, 128, 2048), (5, 64, 100), (37, 16, 64), (3, 128, 300)]] + [
+    Spec(kv_format=f, T=6, H=h, K=70, K2=40, lengths=True, sink="inf", bad_indices=True, empty_row=True,
+         page_pad=32, extra_page_pad=16, noncontig_q=True) for f in fr.FORMATS for h in (20, 128)
+] + [
+    Spec(kv_format="fp8_584", T=4, H=64, K=128, K2=512, lengths=True, sink="finite", page_pad=64,
+         extra_page_pad=64),
+    Spec(kv_format="fp8_656", T=3, H=64, K=256, scale=0.3, sink="finite"),
+    Spec(kv_format="fp8_656", T=200, H=64, K=128, lengths=True),  # more programs than SMs, no split
+]
+
+
+def _hopper_device() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+requires_hopper = pytest.mark.skipif(not _hopper_device(), reason="needs an sm_90 GPU (the Hopper kernel)")
+
+
+@requires_hopper
+@pytest.mark.parametrize("num_splits", [None, 1, 3], ids=lambda s: f"splits={s or 'auto'}")
+@pytest.mark.parametrize("spec", _HOPPER, ids=str)
+def test_cuda_hopper_parity(spec, num_splits):
+    kwargs = make_inputs(spec)
+    dev = _to_device(kwargs, "cuda")
+    assert mla_ops.kernel_path(dev["q"], dev["kv_cache"], spec.kv_format, spec.head_dim_v,
+                               dev.get("extra_kv_cache")) == "hopper"
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper")
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+@requires_hopper
+def test_cuda_hopper_is_the_default_on_sm90():
+    """The registered operator runs the Hopper kernel where it applies, and the same values come out of
+    the portable kernel (bitwise equality is not expected: different summation orders)."""
+    spec = Spec(kv_format="fp8_656", T=4, H=128, K=512, lengths=True, sink="finite")
+    kwargs = make_inputs(spec)
+    dev = _to_device(kwargs, "cuda")
+    assert mla_ops.kernel_path(dev["q"], dev["kv_cache"], "fp8_656") == "hopper"
+    unaligned = _to_device(make_inputs(dataclasses.replace(spec, page_pad=5)), "cuda")
+    assert mla_ops.kernel_path(unaligned["q"], unaligned["kv_cache"], "fp8_656") == "portable"
+    assert mla_ops.kernel_path(dev["q"].half(), dev["kv_cache"], "fp8_656") == "portable"
+    out, lse = torch_sparse_mla.sparse_mla_decode(**dev)
+    out_h, lse_h = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out_h, lse=lse_h, path="hopper")
+    out_p, lse_p = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out_p, lse=lse_p, path="portable")
+    assert torch.equal(out, out_h) and torch.equal(lse, lse_h)
+    assert_matches(out_p, lse_p, *reference(**kwargs), tensor_cores=True)
+    with pytest.raises(ValueError, match="path: the Hopper kernel does not serve"):
+        mla_ops.sparse_mla_decode_triton(*_positional(unaligned), out=out_h, lse=lse_h, path="hopper")
+
+
+@requires_hopper
+def test_cuda_hopper_deterministic():
+    kwargs = _to_device(make_inputs(Spec(kv_format="fp8_656", T=2, H=128, K=2048)), "cuda")
+    first = torch_sparse_mla.sparse_mla_decode(**kwargs)
+    for _ in range(3):
+        again = torch_sparse_mla.sparse_mla_decode(**kwargs)
+        assert torch.equal(first[0], again[0]) and torch.equal(first[1], again[1])

@@ -1,0 +1,591 @@
+"""Hopper (sm_90) kernel of ``sparse_mla_decode``, written in Gluon.
+
+The portable Triton kernel (``ops/sparse_mla.py``) dequantises each piece of K in registers, once per
+head block, and cannot stage a dequantised tile in shared memory or overlap the row gathers with the
+tensor-core work. This kernel does both, with explicit warp specialisation:
+
+- **One CTA per (token, split, block of 64 heads).** Heads fastest in the grid, so the two head blocks
+  of an H = 128 token run side by side and the second one's gathers hit L2. Heads past ``H`` are zero
+  rows (masked at the store).
+- **Three warpgroups** (``gl.warp_specialize``):
+
+  - *producer* (4 warps): per block of 64 candidates, loads the slot indices, gathers the rows with
+    16-byte loads, converts the e4m3 bytes to bf16 with integer instructions (no conversion-unit
+    work), and stores the tile ``[64 keys, D]`` into a two-stage shared-memory ring in the swizzled
+    layout the tensor cores read; then the per-key validity (and, for ``fp8_656``, the per-key group
+    scales), a proxy fence and an mbarrier arrive.
+  - *two consumers* (4 warps each): wait for a stage, compute ``S = Q K^T`` with ``wgmma`` straight
+    from shared memory (Q was staged once, before the fork), run the online softmax in base 2, and
+    accumulate ``O += P V`` where V is the same K tile read in place (no copy, no transpose);
+    consumer ``w`` owns the output dims ``[256 w, 256 w + 256)`` (a ``[64, 512]`` float32 accumulator
+    does not fit one warpgroup's registers). Both compute the same S and P (same instructions on the
+    same data), so they never exchange data, only release the stage (``empty`` barrier, count 2).
+
+- **Exactness.** ``fp8_584`` scales are powers of two, so the tile holds the exact dequantised values.
+  ``fp8_656`` scales are arbitrary floats: the tile holds the raw e4m3 values (exact in bf16), each
+  scale group's partial product is scaled in float32 (``S += s_g * (Q_g K_g^T)``) and the probabilities
+  are scaled per group before the product with V (``O_g += bf16(P * s_g) V_g``), so the only roundings
+  are the ones the contract allows. ``auto`` (bf16) tiles are the cache values.
+- **Split-K** as in the portable kernel: the candidate blocks of a token are divided among
+  ``num_splits`` CTAs that write float32 partials ``(acc, m, l)``; the portable combine kernel merges
+  them. The combine's workspace layout is shared, so the two kernels interoperate.
+
+Requirements (checked by :func:`supported` on the host; anything else takes the portable kernel): an
+sm_90 device, bf16 ``q`` with ``head_dim_v == 512`` and ``D`` 576 (``fp8_656`` or ``auto``) or 512
+(``fp8_584`` or ``auto``), 16-byte aligned cache rows (page stride and row stride multiples of 16
+bytes). ``q``, ``out`` and every index tensor may have any strides.
+
+Gluon does not run under the Triton interpreter: these kernels are tested on the GPU only
+(``tests/test_sparse_mla.py``, the ``hopper`` tests), against the same references as the portable one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..meta_kernels._formats import FORMAT_IDS
+from ._launch import LOG2E, LOG2E_CONST, KernelLaunch, LaunchPlan, cdiv
+from ._triton import HAS_TRITON
+
+HAS_GLUON = False
+if HAS_TRITON:
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon.language.nvidia.hopper import (
+            fence_async_shared,
+            mbarrier,
+            warpgroup_mma,
+            warpgroup_mma_wait,
+        )
+
+        HAS_GLUON = all(hasattr(gl, n) for n in ("warp_specialize", "NVMMADistributedLayout", "inline_asm_elementwise"))
+    except Exception:  # noqa: BLE001 - any Triton without a usable Gluon for Hopper takes the portable path
+        HAS_GLUON = False
+
+BLOCK_H = 64  # heads per CTA: the M of one warpgroup's wgmma
+BLOCK_N = 64  # candidates per block (one ring stage)
+_MIN_BLOCKS_PER_SPLIT = 2
+# Registers per thread requested for the second consumer and the producer (setmaxnreg); the first
+# consumer (the default partition) gets what is left of the 64K register file.
+_WORKER_REGS = (208, 80)
+
+if HAS_GLUON:
+    _BH = gl.constexpr(BLOCK_H)
+    _BN = gl.constexpr(BLOCK_N)
+
+    # e4m3 -> bf16 for 4 bytes with integer instructions: each byte goes to the high byte of a 16-bit lane,
+    # the sign stays in bit 15 and exponent+mantissa shift right by 4, which is the bf16 of the value times
+    # 2^-120 (e4m3 subnormals included, as bf16 subnormals); one bf16x2 fma with 2^120 restores the scale
+    # exactly. e4m3 NaN (0x7F / 0xFF) becomes +-480 (the cache writer never produces NaN codes).
+    _E4M3X4_TO_BF16X4 = gl.constexpr("""
+    {
+    .reg .b32 t0, t1, u0, u1, k, z;
+    mov.b32 k, 0x7B807B80;
+    mov.b32 z, 0x80008000;
+    prmt.b32 t0, $2, 0, 0x1404;
+    prmt.b32 t1, $2, 0, 0x3424;
+    shr.b32 u0, t0, 4;
+    shr.b32 u1, t1, 4;
+    and.b32 u0, u0, 0x07F007F0;
+    and.b32 u1, u1, 0x07F007F0;
+    lop3.b32 u0, t0, 0x80008000, u0, 0xEA;
+    lop3.b32 u1, t1, 0x80008000, u1, 0xEA;
+    fma.rn.bf16x2 $0, u0, k, z;
+    fma.rn.bf16x2 $1, u1, k, z;
+    }
+    """)
+    # bf16 x bf16 -> bf16 (one rounding; exact for the power-of-two scales of fp8_584).
+    _BF16X2_MUL = gl.constexpr("""
+    {
+    .reg .b32 z;
+    mov.b32 z, 0x80008000;
+    fma.rn.bf16x2 $0, $1, $2, z;
+    }
+    """)
+
+    @gluon.jit
+    def _e4m3_to_bf16(raw):
+        return gl.inline_asm_elementwise(_E4M3X4_TO_BF16X4, "=r,=r,r", [raw], dtype=gl.bfloat16, is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _mul_bf16(a, b):
+        return gl.inline_asm_elementwise(_BF16X2_MUL, "=r,r,r", [a, b], dtype=gl.bfloat16, is_pure=True, pack=2)
+
+    @gluon.jit
+    def _block_range(pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+                     HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
+                     SPLIT: gl.constexpr):
+        """``(t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra)`` of this CTA: the same in every partition."""
+        hb = pid % num_head_blocks
+        rest = pid // num_head_blocks
+        split = rest % num_splits
+        t = (rest // num_splits).to(gl.int64)
+        n_main = topk
+        if HAS_LEN:
+            n_main = gl.minimum(gl.maximum(gl.load(len_ptr + t * stride_len), 0), topk)
+        nb_main = (n_main + _BN - 1) // _BN
+        nb_total = nb_main
+        n_extra = gl.to_tensor(0)
+        if HAS_EXTRA:
+            n_extra = x_topk
+            if HAS_XLEN:
+                n_extra = gl.minimum(gl.maximum(gl.load(xlen_ptr + t * stride_xlen), 0), x_topk)
+            nb_total += (n_extra + _BN - 1) // _BN
+        if SPLIT:
+            per_split = (nb_total + num_splits - 1) // num_splits
+            blk_lo = split * per_split
+            blk_hi = gl.minimum(blk_lo + per_split, nb_total)
+        else:
+            blk_lo = gl.to_tensor(0)
+            blk_hi = nb_total
+        return t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra
+
+    # -------------------------------------------------------------------------------------------------
+    # producer
+    # -------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _store_fp8_chunk(dst, raw, scale, SCALED: gl.constexpr):
+        v = _e4m3_to_bf16(raw)
+        if SCALED:
+            v, scale_2d = gl.broadcast(v, scale[:, None])
+            v = _mul_bf16(v, scale_2d)
+        dst.store(v)
+
+    @gluon.jit
+    def _producer(
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots,
+        idx_ptr, stride_it, stride_ik,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
+        xidx_ptr, stride_xt, stride_xk,
+        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+        num_head_blocks, num_splits,
+        knope, krope, scales, valid_smem, ready, empty,
+        KV_FORMAT: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
+        HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
+            gl.program_id(0), num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        # [64 keys, 64 bytes]: 16 contiguous bytes per thread, 8 keys x 64 bytes per warp instruction.
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        # [64 keys, 64 bf16]: 8 contiguous values (16 bytes) per thread.
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        ROWS8: gl.constexpr = gl.SliceLayout(1, G8)
+        keys8 = gl.arange(0, _BN, layout=ROWS8)
+        cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
+        keys16 = gl.arange(0, _BN, layout=gl.SliceLayout(1, G16))
+        cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
+        for blk in range(blk_lo, blk_hi):
+            i = blk - blk_lo
+            stage = i % 2
+            mbarrier.wait(empty.index(stage), ((i // 2) & 1) ^ 1)
+            # The block's list, cache and geometry (scalar selects: both lists share the loop).
+            c_ptr = cache_ptr
+            c_sp = stride_cp
+            c_sr = stride_cr
+            c_ps = page_size
+            c_ns = num_slots
+            i_ptr = idx_ptr + t * stride_it
+            i_st = stride_ik
+            n_used = n_main
+            first = blk * _BN
+            if HAS_EXTRA:
+                if blk >= nb_main:
+                    c_ptr = xcache_ptr
+                    c_sp = stride_xp
+                    c_sr = stride_xr
+                    c_ps = x_page_size
+                    c_ns = x_num_slots
+                    i_ptr = xidx_ptr + t * stride_xt
+                    i_st = stride_xk
+                    n_used = n_extra
+                    first = (blk - nb_main) * _BN
+            offs = first + keys8
+            in_list = offs < n_used
+            slot = gl.load(i_ptr + offs * i_st, mask=in_list, other=-1).to(gl.int64)
+            valid = in_list & (slot >= 0) & (slot < c_ns)
+            slot = gl.where(valid, slot, 0)
+            page = slot // c_ps
+            row = slot - page * c_ps
+            kn = knope.index(stage)
+            vmask = valid[:, None]
+            if KV_FORMAT == 0:
+                # bf16 cache: rows are copied as they are (elements, not bytes).
+                rbase16 = gl.convert_layout(page * c_sp + row * c_sr, gl.SliceLayout(1, G16))
+                vmask16 = gl.convert_layout(valid, gl.SliceLayout(1, G16))[:, None]
+                ptrs = c_ptr + rbase16[:, None] + cols16[None, :]
+                for c in gl.static_range(0, 512 // 64, 2):
+                    a = gl.load(ptrs + c * 64, mask=vmask16, other=0.0)
+                    b = gl.load(ptrs + (c + 1) * 64, mask=vmask16, other=0.0)
+                    kn.slice(c * 64, 64, dim=1).store(a)
+                    kn.slice((c + 1) * 64, 64, dim=1).store(b)
+                if D == 576:
+                    krope.index(stage).store(gl.load(ptrs + 512, mask=vmask16, other=0.0))
+            elif KV_FORMAT == 1:
+                # fp8_656: 512 e4m3 bytes, 4 float32 scales, 64 bf16 values per token, 656 bytes apart.
+                rbase = page * c_sp + row * 656
+                ptrs = c_ptr + rbase[:, None] + cols8[None, :]
+                r0 = gl.load(ptrs + 0 * 64, mask=vmask, other=0)
+                r1 = gl.load(ptrs + 1 * 64, mask=vmask, other=0)
+                r2 = gl.load(ptrs + 2 * 64, mask=vmask, other=0)
+                r3 = gl.load(ptrs + 3 * 64, mask=vmask, other=0)
+                sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
+                s0 = gl.load(sc_ptr + 0, mask=valid, other=0.0)
+                s1 = gl.load(sc_ptr + 1, mask=valid, other=0.0)
+                s2 = gl.load(sc_ptr + 2, mask=valid, other=0.0)
+                s3 = gl.load(sc_ptr + 3, mask=valid, other=0.0)
+                _store_fp8_chunk(kn.slice(0, 64, dim=1), r0, s0, False)
+                _store_fp8_chunk(kn.slice(64, 64, dim=1), r1, s0, False)
+                _store_fp8_chunk(kn.slice(128, 64, dim=1), r2, s0, False)
+                _store_fp8_chunk(kn.slice(192, 64, dim=1), r3, s0, False)
+                r4 = gl.load(ptrs + 4 * 64, mask=vmask, other=0)
+                r5 = gl.load(ptrs + 5 * 64, mask=vmask, other=0)
+                r6 = gl.load(ptrs + 6 * 64, mask=vmask, other=0)
+                r7 = gl.load(ptrs + 7 * 64, mask=vmask, other=0)
+                rope_base = gl.convert_layout(rbase + 528, gl.SliceLayout(1, G16))
+                rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+                rope = gl.load(rope_ptrs, mask=gl.convert_layout(valid, gl.SliceLayout(1, G16))[:, None], other=0.0)
+                _store_fp8_chunk(kn.slice(256, 64, dim=1), r4, s0, False)
+                _store_fp8_chunk(kn.slice(320, 64, dim=1), r5, s0, False)
+                _store_fp8_chunk(kn.slice(384, 64, dim=1), r6, s0, False)
+                _store_fp8_chunk(kn.slice(448, 64, dim=1), r7, s0, False)
+                krope.index(stage).store(rope)
+                scales.index(stage * 4 + 0).store(s0)
+                scales.index(stage * 4 + 1).store(s1)
+                scales.index(stage * 4 + 2).store(s2)
+                scales.index(stage * 4 + 3).store(s3)
+            else:
+                # fp8_584: per page, data rows of 576 bytes (448 e4m3 + 64 bf16), then 8-byte scale rows
+                # (7 UE8M0 exponents). Each 64-dim group's scale 2^(e-127) is a power of two, exact in bf16.
+                rbase = page * c_sp + row * 576
+                sbase = page * c_sp + c_ps * 576 + row * 8
+                ptrs = c_ptr + rbase[:, None] + cols8[None, :]
+                e0 = gl.load(c_ptr + sbase + 0, mask=valid, other=127).to(gl.int32)
+                e1 = gl.load(c_ptr + sbase + 1, mask=valid, other=127).to(gl.int32)
+                e2 = gl.load(c_ptr + sbase + 2, mask=valid, other=127).to(gl.int32)
+                e3 = gl.load(c_ptr + sbase + 3, mask=valid, other=127).to(gl.int32)
+                e4 = gl.load(c_ptr + sbase + 4, mask=valid, other=127).to(gl.int32)
+                e5 = gl.load(c_ptr + sbase + 5, mask=valid, other=127).to(gl.int32)
+                e6 = gl.load(c_ptr + sbase + 6, mask=valid, other=127).to(gl.int32)
+                r0 = gl.load(ptrs + 0 * 64, mask=vmask, other=0)
+                r1 = gl.load(ptrs + 1 * 64, mask=vmask, other=0)
+                r2 = gl.load(ptrs + 2 * 64, mask=vmask, other=0)
+                r3 = gl.load(ptrs + 3 * 64, mask=vmask, other=0)
+                _store_fp8_chunk(kn.slice(0, 64, dim=1), r0, _ue8m0_to_bf16(e0), True)
+                _store_fp8_chunk(kn.slice(64, 64, dim=1), r1, _ue8m0_to_bf16(e1), True)
+                _store_fp8_chunk(kn.slice(128, 64, dim=1), r2, _ue8m0_to_bf16(e2), True)
+                _store_fp8_chunk(kn.slice(192, 64, dim=1), r3, _ue8m0_to_bf16(e3), True)
+                r4 = gl.load(ptrs + 4 * 64, mask=vmask, other=0)
+                r5 = gl.load(ptrs + 5 * 64, mask=vmask, other=0)
+                r6 = gl.load(ptrs + 6 * 64, mask=vmask, other=0)
+                tail_base = gl.convert_layout(rbase + 448, gl.SliceLayout(1, G16))
+                tail_ptrs = (c_ptr + tail_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+                tail = gl.load(tail_ptrs, mask=gl.convert_layout(valid, gl.SliceLayout(1, G16))[:, None], other=0.0)
+                _store_fp8_chunk(kn.slice(256, 64, dim=1), r4, _ue8m0_to_bf16(e4), True)
+                _store_fp8_chunk(kn.slice(320, 64, dim=1), r5, _ue8m0_to_bf16(e5), True)
+                _store_fp8_chunk(kn.slice(384, 64, dim=1), r6, _ue8m0_to_bf16(e6), True)
+                kn.slice(448, 64, dim=1).store(tail)
+            valid_smem.index(stage).store(valid.to(gl.int32))
+            fence_async_shared()
+            mbarrier.arrive(ready.index(stage))
+
+    @gluon.jit
+    def _ue8m0_to_bf16(e):
+        """bf16 ``2^(e - 127)`` of exponent bytes ``e`` (int32): the exponent field itself; byte 0 is the
+        subnormal ``2^-127``."""
+        bits = gl.where(e > 0, e << 7, 0x40)
+        return bits.to(gl.int16).to(gl.bfloat16, bitcast=True)
+
+    # -------------------------------------------------------------------------------------------------
+    # consumers
+    # -------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
+                K0: gl.constexpr, NK: gl.constexpr, WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
+        """Online softmax over keys ``[K0, K0 + NK)`` of a ring stage: ``(o0, o1, m_i, l_i)`` updated."""
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NK, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 128, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        COLS: gl.constexpr = gl.SliceLayout(0, S_L)
+        ROWS: gl.constexpr = gl.SliceLayout(1, S_L)
+        keys = kn.slice(K0, NK, dim=0)  # [NK keys, 512]
+        zero_s = gl.zeros([_BH, NK], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
+        if FOLD:
+            # S = sum_g s_g * (Q_g K_g^T) + Q_rope K_rope^T on the raw e4m3 values; the scales act in float32.
+            acc = warpgroup_mma(qn.slice(0, 64, dim=1), keys.slice(0, 64, dim=1).permute((1, 0)), zero_s,
+                                use_acc=False, is_async=True)
+            acc = warpgroup_mma(qn.slice(64, 64, dim=1), keys.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            s = acc * scales.index(stage * 4).slice(K0, NK).load(COLS)[None, :]
+            for g in gl.static_range(1, 4):
+                acc = warpgroup_mma(qn.slice(128 * g, 64, dim=1), keys.slice(128 * g, 64, dim=1).permute((1, 0)),
+                                    acc, use_acc=False, is_async=True)
+                acc = warpgroup_mma(qn.slice(128 * g + 64, 64, dim=1),
+                                    keys.slice(128 * g + 64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                s = s + acc * scales.index(stage * 4 + g).slice(K0, NK).load(COLS)[None, :]
+            s = warpgroup_mma(qr, kr.slice(K0, NK, dim=0).permute((1, 0)), s, is_async=True)
+        else:
+            if D == 576:
+                s = warpgroup_mma(qr, kr.slice(K0, NK, dim=0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                for c in gl.static_range(8):
+                    s = warpgroup_mma(qn.slice(64 * c, 64, dim=1), keys.slice(64 * c, 64, dim=1).permute((1, 0)), s,
+                                      is_async=True)
+            else:
+                s = warpgroup_mma(qn.slice(0, 64, dim=1), keys.slice(0, 64, dim=1).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+                for c in gl.static_range(1, 8):
+                    s = warpgroup_mma(qn.slice(64 * c, 64, dim=1), keys.slice(64 * c, 64, dim=1).permute((1, 0)), s,
+                                      is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s,))
+        valid = valid_smem.index(stage).slice(K0, NK).load(COLS) != 0
+        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
+        alpha = gl.exp2(m_i - m_use)
+        p = gl.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        if FOLD:
+            # V of group g is its raw values: P takes the group's per-key scale (one bf16 rounding).
+            p0 = gl.convert_layout((p * scales.index(stage * 4 + 2 * WG).slice(K0, NK).load(COLS)[None, :])
+                                   .to(gl.bfloat16), P_L)
+            o0 = warpgroup_mma(p0, keys.slice(256 * WG, 128, dim=1), o0 * alpha_o, is_async=True)
+            p1 = gl.convert_layout((p * scales.index(stage * 4 + 2 * WG + 1).slice(K0, NK).load(COLS)[None, :])
+                                   .to(gl.bfloat16), P_L)
+            o1 = warpgroup_mma(p1, keys.slice(256 * WG + 128, 128, dim=1), o1 * alpha_o, is_async=True)
+        else:
+            p0 = gl.convert_layout(p.to(gl.bfloat16), P_L)
+            o0 = warpgroup_mma(p0, keys.slice(256 * WG, 128, dim=1), o0 * alpha_o, is_async=True)
+            o1 = warpgroup_mma(p0, keys.slice(256 * WG + 128, 128, dim=1), o1 * alpha_o, is_async=True)
+        o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
+        return o0, o1, m_new, l_i
+
+    @gluon.jit
+    def _consumer(
+        qn, qr, knope, krope, scales, valid_smem, ready, empty,
+        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits, qk_scale,
+        WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        pid = gl.program_id(0)
+        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
+            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        # FOLD keeps one more [64, NK] float32 tile live during Q K^T: halving the keys per step keeps the
+        # warpgroup within its registers (no spills, pipelined wgmma).
+        NK: gl.constexpr = _BN // 2 if FOLD else _BN
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 128, 16])
+        ROWS: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                          instr_shape=[16, NK, 16]))
+        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256 WG, 256 WG + 128)
+        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256 WG + 128, 256 WG + 256)
+        m_i = gl.full([_BH], float("-inf"), gl.float32, layout=ROWS)
+        l_i = gl.zeros([_BH], gl.float32, layout=ROWS)
+        for blk in range(blk_lo, blk_hi):
+            i = blk - blk_lo
+            stage = i % 2
+            mbarrier.wait(ready.index(stage), (i // 2) & 1)
+            kn = knope.index(stage)
+            kr = krope.index(stage)
+            for k0 in gl.static_range(0, _BN, NK):
+                o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
+                                           k0, NK, WG, FOLD, D)
+            mbarrier.arrive(empty.index(stage))
+
+        heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, O_L))
+        head_ok = heads < num_heads
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
+        if SPLIT:
+            split = (pid // num_head_blocks) % num_splits
+            row = (t * num_splits + split) * num_heads + heads.to(gl.int64)  # [T, S, H] row of the workspace
+            acc_rows = ws_ptr + row[:, None] * 512 + 256 * WG + cols[None, :]
+            gl.store(acc_rows, o0, mask=head_ok[:, None])
+            gl.store(acc_rows + 128, o1, mask=head_ok[:, None])
+            if WG == 0:
+                gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
+                gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
+        else:
+            has = l_o > 0
+            lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) / LOG2E_CONST, float("inf"))
+            factor = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
+            if HAS_SINK:
+                sink = gl.load(sink_ptr + heads * stride_sink, mask=head_ok, other=float("-inf"))
+                factor = gl.where(has, factor / (1.0 + gl.exp(sink - gl.where(has, lse, 0.0))), 0.0)
+            out_rows = (out_ptr + t * stride_ot + heads.to(gl.int64)[:, None] * stride_oh
+                        + (256 * WG + cols[None, :]) * stride_od)
+            gl.store(out_rows, (o0 * factor[:, None]).to(gl.bfloat16), mask=head_ok[:, None])
+            gl.store(out_rows + 128 * stride_od, (o1 * factor[:, None]).to(gl.bfloat16), mask=head_ok[:, None])
+            if WG == 0:
+                gl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+
+    @gluon.jit
+    def _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D: gl.constexpr):
+        """Stage this CTA's 64 query rows (zeros past ``num_heads``) in shared memory, once."""
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
+        heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, G16))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
+        rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh + cols[None, :] * stride_qd
+        ok = (heads < num_heads)[:, None]
+        for c in gl.static_range(8):
+            qn.slice(64 * c, 64, dim=1).store(gl.load(rows + 64 * c * stride_qd, mask=ok, other=0.0))
+        if D == 576:
+            qr.store(gl.load(rows + 512 * stride_qd, mask=ok, other=0.0))
+        fence_async_shared()
+
+    @gluon.jit
+    def _sparse_mla_decode_hopper_kernel(
+        q_ptr, stride_qt, stride_qh, stride_qd,  # [T, H, D] bf16
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots,  # main cache (bytes for fp8, elements for auto)
+        idx_ptr, stride_it, stride_ik, topk,  # int32 [T, K]
+        len_ptr, stride_len,  # int32 [T] (HAS_LEN)
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,  # extra cache (HAS_EXTRA)
+        xidx_ptr, stride_xt, stride_xk, x_topk,  # int32 [T, K2] (HAS_EXTRA)
+        xlen_ptr, stride_xlen,  # int32 [T] (HAS_XLEN)
+        sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
+        out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, 512] bf16 (not SPLIT)
+        lse_ptr, stride_lt, stride_lh,  # float32 [T, H] (not SPLIT)
+        ws_ptr, ws_ml_off,  # SPLIT: float32 acc [T, S, H, 512], then (m, l) [T, S, H, 2] at ws_ml_off
+        num_heads, num_head_blocks, num_splits, qk_scale,
+        KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        WORKER_REGS: gl.constexpr,
+    ):
+        SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        qn = gl.allocate_shared_memory(gl.bfloat16, [_BH, 512], SL)
+        qr = gl.allocate_shared_memory(gl.bfloat16, [_BH, 64], SL)
+        knope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 512], SL)
+        krope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 64], SL)
+        scales = gl.allocate_shared_memory(gl.float32, [8, _BN], VL1)  # [stage * 4 + group][key]
+        valid_smem = gl.allocate_shared_memory(gl.int32, [2, _BN], VL1)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(ready.index(s), count=1)  # the producer partition
+            mbarrier.init(empty.index(s), count=2)  # the two consumer partitions
+        pid = gl.program_id(0)
+        hb = pid % num_head_blocks
+        t = (pid // num_head_blocks // num_splits).to(gl.int64)
+        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
+        gl.warp_specialize(
+            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
+                          len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+                          sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                          stride_lh,
+                          ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
+                          0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+             (_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
+                          len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+                          sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                          stride_lh,
+                          ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
+                          1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+             (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                          xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
+                          len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
+                          knope, krope, scales, valid_smem, ready, empty,
+                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
+            [4, 4],
+            WORKER_REGS,
+        )
+
+
+# =====================================================================================================
+# host side
+# =====================================================================================================
+
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def _is_sm90(device: torch.device) -> bool:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return cap == (9, 0)
+
+
+def supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) -> bool:
+    """Whether the Hopper kernel serves this call (else the portable kernel does). Shapes only."""
+    if not HAS_GLUON or q.device.type != "cuda" or q.dtype != torch.bfloat16 or head_dim_v != 512:
+        return False
+    dim = q.shape[2]
+    if kv_format == "fp8_656" or (kv_format == "auto" and dim == 576):
+        pass
+    elif not (kv_format == "fp8_584" or (kv_format == "auto" and dim == 512)):
+        return False
+    for cache in (kv_cache, extra_kv_cache):
+        if cache is None:
+            continue
+        size = cache.element_size()
+        if (cache.stride(0) * size) % 16 or (kv_format == "auto" and (cache.stride(1) * size) % 16):
+            return False
+    return _is_sm90(q.device)
+
+
+def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
+                num_splits: int | None = None) -> LaunchPlan:
+    """One CTA per (token, split, 64 heads), one CTA per SM (the ring takes ~220 KB of shared memory):
+    split the candidate list when the tokens' head blocks cannot fill the SMs, keeping at least
+    ``_MIN_BLOCKS_PER_SPLIT`` blocks of 64 per split."""
+    head_blocks = cdiv(num_heads, BLOCK_H)
+    programs = max(num_tokens * head_blocks, 1)
+    if num_splits is None:
+        blocks = cdiv(k_total, BLOCK_N)
+        num_splits = max(1, min(cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
+    return LaunchPlan(block_h=BLOCK_H, head_blocks=head_blocks, block_n=BLOCK_N, num_splits=num_splits,
+                      num_warps=4, num_stages=1)
+
+
+def make_launch(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                extra_topk_length, out, lse, plan: LaunchPlan) -> KernelLaunch:
+    """The main launch of one plan, taking the tensors in the order of ``ops/sparse_mla.py``'s launcher
+    (``q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse, ws``); with ``plan.num_splits > 1``
+    it writes the workspace of the portable combine kernel (``acc`` of 512 dims per row)."""
+    num_tokens, num_heads, dim = q.shape
+    splits = plan.num_splits
+    ws_ml_off = num_tokens * splits * num_heads * 512
+    has_extra = extra_kv_cache is not None
+    xc = extra_kv_cache if has_extra else kv_cache
+    xi = extra_indices if has_extra else indices
+    length = topk_length if topk_length is not None else indices
+    xlength = extra_topk_length if extra_topk_length is not None else indices
+    sink = attn_sink if attn_sink is not None else lse
+    pages, page_size, _ = kv_cache.shape
+    x_pages, x_page_size, _ = xc.shape
+    args = (
+        q, q.stride(0), q.stride(1), q.stride(2),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), page_size, pages * page_size,
+        indices, indices.stride(0), indices.stride(1), indices.shape[1],
+        length, length.stride(0),
+        xc, xc.stride(0), xc.stride(1), x_page_size, x_pages * x_page_size,
+        xi, xi.stride(0), xi.stride(1), xi.shape[1],
+        xlength, xlength.stride(0),
+        sink, sink.stride(0),
+        out, out.stride(0), out.stride(1), out.stride(2),
+        lse, lse.stride(0), lse.stride(1),
+        lse, ws_ml_off,  # the workspace
+        num_heads, plan.head_blocks, splits, float(softmax_scale) * LOG2E,
+    )
+    meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
+                HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
+                HAS_SINK=attn_sink is not None, SPLIT=splits > 1, WORKER_REGS=_WORKER_REGS)
+    return KernelLaunch(_sparse_mla_decode_hopper_kernel, (num_tokens * splits * plan.head_blocks,), args, meta,
+                        num_warps=4, device=q.device)
+
+
+__all__ = ["BLOCK_H", "HAS_GLUON", "make_launch", "plan_launch", "supported"]

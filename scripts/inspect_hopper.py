@@ -1,0 +1,109 @@
+"""Compile the Hopper sparse-MLA kernel for sm_90a without a GPU and report its resources.
+
+    python scripts/inspect_hopper.py [--sass DIR]
+
+For each variant (cache format x split x extra list) prints registers (the kernel's ``.maxnreg`` and
+each partition's ``setmaxnreg``), spill bytes, shared memory and the counts of the instructions that
+matter (``HGMMA`` tensor-core ops, ``SYNCS`` mbarrier ops, 128-bit global loads, local-memory traffic).
+Uses the ``ptxas`` and ``cuobjdump`` shipped inside the triton wheel. Not a test: a tool to read what
+the compiler did before spending GPU time (``docs/sparse_mla.md`` records the figures).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
+
+
+def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True, lengths: bool = True):
+    from triton.experimental import gluon
+
+    fn = hopper._sparse_mla_decode_hopper_kernel
+    names = fn.arg_names
+    cache_ty = "*bf16" if kv_format == "auto" else "*u8"
+    dim = 512 if kv_format == "fp8_584" else 576
+    constexprs = dict(KV_FORMAT={"auto": 0, "fp8_656": 1, "fp8_584": 2}[kv_format], D=dim, FOLD=kv_format == "fp8_656",
+                      HAS_LEN=lengths, HAS_EXTRA=extra, HAS_XLEN=extra and lengths, HAS_SINK=sink, SPLIT=split,
+                      WORKER_REGS=hopper._WORKER_REGS, stride_qd=1, stride_od=1)
+    pointer_types = {"q_ptr": "*bf16", "cache_ptr": cache_ty, "xcache_ptr": cache_ty, "idx_ptr": "*i32",
+                     "xidx_ptr": "*i32", "len_ptr": "*i32", "xlen_ptr": "*i32", "sink_ptr": "*fp32",
+                     "out_ptr": "*bf16", "lse_ptr": "*fp32", "ws_ptr": "*fp32"}
+    signature = {}
+    for n in names:
+        if n in constexprs:
+            signature[n] = "constexpr"
+        elif n in pointer_types:
+            signature[n] = pointer_types[n]
+        elif n == "qk_scale":
+            signature[n] = "fp32"
+        else:
+            signature[n] = "i32"
+    # As the launcher specialises: 16-byte aligned pointers; strides that are multiples of 16.
+    div16 = {"stride_qt", "stride_qh", "stride_cp", "stride_xp", "stride_ot", "stride_oh"}
+    if kv_format == "auto":
+        div16 |= {"stride_cr", "stride_xr"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+             if signature[n].startswith("*") or n in div16}
+    src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+
+
+def report(ck, label: str, sass_dir: str | None) -> str:
+    ptx = ck.asm["ptx"]
+    with tempfile.TemporaryDirectory() as d:
+        p = os.path.join(d, "k.ptx")
+        with open(p, "w") as f:
+            f.write(ptx)
+        flags = ["--regAllocOptLevel=2"] if VERSION >= (3, 7) else []
+        r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", *flags, "--gpu-name=sm_90a", p, "-o",
+                            os.path.join(d, "k.o")], capture_output=True, text=True)
+        c = os.path.join(d, "k.cubin")
+        with open(c, "wb") as f:
+            f.write(ck.asm["cubin"])
+        sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", c], capture_output=True, text=True).stdout
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
+    counts = {w: len(re.findall(r"\b" + w + r"[\.\s]", sass)) for w in ("HGMMA", "SYNCS", "LDL", "STL", "F2F", "BAR")}
+    ldg128 = len(re.findall(r"LDG\.E\.128", sass))
+    setmax = sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)))
+    maxnreg = re.findall(r"maxnreg (\d+)", ptx)
+    line = (f"{label:34s} maxnreg={maxnreg} setmaxnreg={setmax} "
+            f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
+            f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items()))
+    if sass_dir:
+        os.makedirs(sass_dir, exist_ok=True)
+        with open(os.path.join(sass_dir, label.replace(" ", "_") + ".sass"), "w") as f:
+            f.write(sass)
+    return line
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sass", help="also write each variant's SASS into this folder")
+    parser.add_argument("--only", help="comma-separated formats (auto, fp8_656, fp8_584)")
+    args = parser.parse_args(argv)
+    if not hopper.HAS_GLUON:
+        print("this triton has no usable Gluon for Hopper", file=sys.stderr)
+        return 1
+    formats = args.only.split(",") if args.only else ["fp8_656", "fp8_584", "auto"]
+    print(f"triton {triton.__version__}")
+    for kv_format in formats:
+        for split, extra in ((False, False), (True, False), (False, True)):
+            label = f"{kv_format} split={int(split)} extra={int(extra)}"
+            print(report(compile_variant(kv_format, split, extra), label, args.sass), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
