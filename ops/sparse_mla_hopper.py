@@ -53,6 +53,7 @@ if HAS_TRITON:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
         from triton.experimental.gluon.language.nvidia.hopper import (
+            async_copy,
             fence_async_shared,
             mbarrier,
             warpgroup_mma,
@@ -65,7 +66,7 @@ if HAS_TRITON:
 
 BLOCK_H = 64  # heads per CTA: the M of one warpgroup's wgmma
 BLOCK_N = 64  # candidates per block (one ring stage)
-_MIN_BLOCKS_PER_SPLIT = 2
+_MIN_BLOCKS_PER_SPLIT = 1
 # Registers per thread requested for the second consumer and the producer (setmaxnreg); the first
 # consumer (the default partition) gets what is left of the 64K register file.
 _WORKER_REGS = (208, 80)
@@ -103,6 +104,8 @@ if HAS_GLUON:
     fma.rn.bf16x2 $0, $1, $2, z;
     }
     """)
+
+    _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
 
     @gluon.jit
     def _e4m3_to_bf16(raw):
@@ -147,12 +150,150 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _store_fp8_chunk(dst, raw, scale, SCALED: gl.constexpr):
+    def _issue_block(
+        blk, stage, t, nb_main, n_main, n_extra,
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
+        knope, krope, scales, valid_smem,
+        KV_FORMAT: gl.constexpr, D: gl.constexpr, HAS_EXTRA: gl.constexpr,
+    ):
+        """Start the copies of block ``blk`` into ring stage ``stage`` (cp.async, one commit group).
+
+        Bytes that need no conversion go straight to their final place: bf16 cache rows, the bf16 dims
+        of the fp8 formats, the fp8_656 scales. The e4m3 bytes land in a raw staging area inside the
+        stage's own bf16 tile (its upper half), which :func:`_convert_block` expands in place. Invalid
+        keys copy nothing and read as zeros. Also writes the keys' validity (and the fp8_584 scales)."""
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        ROWS8: gl.constexpr = gl.SliceLayout(1, G8)
+        ROWS16: gl.constexpr = gl.SliceLayout(1, G16)
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        c_ptr = cache_ptr
+        c_sp = stride_cp
+        c_sr = stride_cr
+        c_ps = page_size
+        c_ns = num_slots
+        i_ptr = idx_ptr + t * stride_it
+        i_st = stride_ik
+        n_used = n_main
+        first = blk * _BN
+        if HAS_EXTRA:
+            if blk >= nb_main:
+                c_ptr = xcache_ptr
+                c_sp = stride_xp
+                c_sr = stride_xr
+                c_ps = x_page_size
+                c_ns = x_num_slots
+                i_ptr = xidx_ptr + t * stride_xt
+                i_st = stride_xk
+                n_used = n_extra
+                first = (blk - nb_main) * _BN
+        offs = first + gl.arange(0, _BN, layout=ROWS8)
+        in_list = offs < n_used
+        slot = gl.load(i_ptr + offs * i_st, mask=in_list, other=-1).to(gl.int64)
+        valid = in_list & (slot >= 0) & (slot < c_ns)
+        slot = gl.where(valid, slot, 0)
+        page = slot // c_ps
+        row = slot - page * c_ps
+        valid_smem.index(stage).store(valid.to(gl.int32))
+        kn = knope.index(stage)
+        vmask8 = valid[:, None]
+        valid16 = gl.convert_layout(valid, ROWS16)
+        vmask16 = valid16[:, None]
+        cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
+        cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
+        if KV_FORMAT == 0:
+            rbase = gl.convert_layout(page * c_sp + row * c_sr, ROWS16)
+            ptrs = c_ptr + rbase[:, None] + cols16[None, :]
+            for c in gl.static_range(8):
+                async_copy.async_copy_global_to_shared(kn.slice(64 * c, 64, dim=1), ptrs + 64 * c, mask=vmask16)
+            if D == 576:
+                async_copy.async_copy_global_to_shared(krope.index(stage), ptrs + 512, mask=vmask16)
+        elif KV_FORMAT == 1:
+            # fp8_656 record: 512 e4m3 bytes, 4 float32 scales, 64 bf16 values (656 bytes per token).
+            raw = kn._reinterpret(gl.uint8, [16, _BN, 64], RAW)  # staging: raw chunk c at index 8 + c
+            rbase = page * c_sp + row * 656
+            ptrs = c_ptr + rbase[:, None] + cols8[None, :]
+            for c in gl.static_range(8):
+                async_copy.async_copy_global_to_shared(raw.index(8 + c), ptrs + 64 * c, mask=vmask8)
+            rope_base = gl.convert_layout(rbase + 528, ROWS16)
+            rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+            async_copy.async_copy_global_to_shared(krope.index(stage), rope_ptrs, mask=vmask16)
+            sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
+            for g in gl.static_range(4):
+                async_copy.async_copy_global_to_shared(scales.index(stage * 4 + g), sc_ptr + g, mask=valid)
+        else:
+            # fp8_584 page: data rows of 576 bytes (448 e4m3, 64 bf16), then 8-byte rows of UE8M0 exponents.
+            raw = kn._reinterpret(gl.uint8, [16, _BN, 64], RAW)  # staging: raw chunk c at index 7 + c
+            rbase = page * c_sp + row * 576
+            ptrs = c_ptr + rbase[:, None] + cols8[None, :]
+            for c in gl.static_range(7):
+                async_copy.async_copy_global_to_shared(raw.index(7 + c), ptrs + 64 * c, mask=vmask8)
+            tail_base = gl.convert_layout(rbase + 448, ROWS16)
+            tail_ptrs = (c_ptr + tail_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+            async_copy.async_copy_global_to_shared(kn.slice(448, 64, dim=1), tail_ptrs, mask=vmask16)
+            sbase = page * c_sp + c_ps * 576 + row * 8
+            for c in gl.static_range(7):
+                e = gl.load(c_ptr + sbase + c, mask=valid, other=127).to(gl.int32)
+                scales.index(stage * 8 + c).store(_ue8m0_to_bf16(e).to(gl.float32))
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _convert_chunk(raw, kn, scales, stage, c: gl.constexpr, SCALED: gl.constexpr):
         v = _e4m3_to_bf16(raw)
         if SCALED:
-            v, scale_2d = gl.broadcast(v, scale[:, None])
-            v = _mul_bf16(v, scale_2d)
-        dst.store(v)
+            G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+            sc = scales.index(stage * 8 + c).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
+            v, sc2 = gl.broadcast(v, sc[:, None])
+            v = _mul_bf16(v, sc2)
+        kn.slice(64 * c, 64, dim=1).store(v)
+
+    @gluon.jit
+    def _convert_block(stage, knope, scales, KV_FORMAT: gl.constexpr):
+        """Expand the staged e4m3 bytes of a stage into its bf16 tile, in place. The raw chunks occupy
+        the tile's upper bytes; chunks are read into registers before any store that overlaps them,
+        with a partition barrier in between (other threads may still be reading)."""
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        kn = knope.index(stage)
+        raw = kn._reinterpret(gl.uint8, [16, _BN, 64], RAW)
+        if KV_FORMAT == 1:
+            # raw chunk c at bytes [32K + 4K c, +4K); bf16 chunk c at [8K c, +8K).
+            r0 = raw.index(8).load(G8)
+            r1 = raw.index(9).load(G8)
+            r2 = raw.index(10).load(G8)
+            r3 = raw.index(11).load(G8)
+            _convert_chunk(r0, kn, scales, stage, 0, False)
+            _convert_chunk(r1, kn, scales, stage, 1, False)
+            _convert_chunk(r2, kn, scales, stage, 2, False)
+            _convert_chunk(r3, kn, scales, stage, 3, False)
+            r4 = raw.index(12).load(G8)
+            r5 = raw.index(13).load(G8)
+            r6 = raw.index(14).load(G8)
+            r7 = raw.index(15).load(G8)
+            _cta_barrier()
+            _convert_chunk(r4, kn, scales, stage, 4, False)
+            _convert_chunk(r5, kn, scales, stage, 5, False)
+            _convert_chunk(r6, kn, scales, stage, 6, False)
+            _convert_chunk(r7, kn, scales, stage, 7, False)
+        else:
+            # fp8_584: raw chunk c at bytes [28K + 4K c, +4K), c < 7; bf16 chunk c at [8K c, +8K).
+            r0 = raw.index(7).load(G8)
+            r1 = raw.index(8).load(G8)
+            r2 = raw.index(9).load(G8)
+            r3 = raw.index(10).load(G8)
+            _cta_barrier()
+            _convert_chunk(r0, kn, scales, stage, 0, True)
+            _convert_chunk(r1, kn, scales, stage, 1, True)
+            _convert_chunk(r2, kn, scales, stage, 2, True)
+            _convert_chunk(r3, kn, scales, stage, 3, True)
+            r4 = raw.index(11).load(G8)
+            r5 = raw.index(12).load(G8)
+            r6 = raw.index(13).load(G8)
+            _cta_barrier()
+            _convert_chunk(r4, kn, scales, stage, 4, True)
+            _convert_chunk(r5, kn, scales, stage, 5, True)
+            _convert_chunk(r6, kn, scales, stage, 6, True)
 
     @gluon.jit
     def _producer(
@@ -166,131 +307,31 @@ if HAS_GLUON:
         KV_FORMAT: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
         HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr,
     ):
+        """Software-pipelined by one block: the copies of block i are in flight while block i - 1 is
+        converted and handed to the consumers."""
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             gl.program_id(0), num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        # [64 keys, 64 bytes]: 16 contiguous bytes per thread, 8 keys x 64 bytes per warp instruction.
-        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        # [64 keys, 64 bf16]: 8 contiguous values (16 bytes) per thread.
-        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        ROWS8: gl.constexpr = gl.SliceLayout(1, G8)
-        keys8 = gl.arange(0, _BN, layout=ROWS8)
-        cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
-        keys16 = gl.arange(0, _BN, layout=gl.SliceLayout(1, G16))
-        cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
-        for blk in range(blk_lo, blk_hi):
-            i = blk - blk_lo
-            stage = i % 2
-            mbarrier.wait(empty.index(stage), ((i // 2) & 1) ^ 1)
-            # The block's list, cache and geometry (scalar selects: both lists share the loop).
-            c_ptr = cache_ptr
-            c_sp = stride_cp
-            c_sr = stride_cr
-            c_ps = page_size
-            c_ns = num_slots
-            i_ptr = idx_ptr + t * stride_it
-            i_st = stride_ik
-            n_used = n_main
-            first = blk * _BN
-            if HAS_EXTRA:
-                if blk >= nb_main:
-                    c_ptr = xcache_ptr
-                    c_sp = stride_xp
-                    c_sr = stride_xr
-                    c_ps = x_page_size
-                    c_ns = x_num_slots
-                    i_ptr = xidx_ptr + t * stride_xt
-                    i_st = stride_xk
-                    n_used = n_extra
-                    first = (blk - nb_main) * _BN
-            offs = first + keys8
-            in_list = offs < n_used
-            slot = gl.load(i_ptr + offs * i_st, mask=in_list, other=-1).to(gl.int64)
-            valid = in_list & (slot >= 0) & (slot < c_ns)
-            slot = gl.where(valid, slot, 0)
-            page = slot // c_ps
-            row = slot - page * c_ps
-            kn = knope.index(stage)
-            vmask = valid[:, None]
-            if KV_FORMAT == 0:
-                # bf16 cache: rows are copied as they are (elements, not bytes).
-                rbase16 = gl.convert_layout(page * c_sp + row * c_sr, gl.SliceLayout(1, G16))
-                vmask16 = gl.convert_layout(valid, gl.SliceLayout(1, G16))[:, None]
-                ptrs = c_ptr + rbase16[:, None] + cols16[None, :]
-                for c in gl.static_range(0, 512 // 64, 2):
-                    a = gl.load(ptrs + c * 64, mask=vmask16, other=0.0)
-                    b = gl.load(ptrs + (c + 1) * 64, mask=vmask16, other=0.0)
-                    kn.slice(c * 64, 64, dim=1).store(a)
-                    kn.slice((c + 1) * 64, 64, dim=1).store(b)
-                if D == 576:
-                    krope.index(stage).store(gl.load(ptrs + 512, mask=vmask16, other=0.0))
-            elif KV_FORMAT == 1:
-                # fp8_656: 512 e4m3 bytes, 4 float32 scales, 64 bf16 values per token, 656 bytes apart.
-                rbase = page * c_sp + row * 656
-                ptrs = c_ptr + rbase[:, None] + cols8[None, :]
-                r0 = gl.load(ptrs + 0 * 64, mask=vmask, other=0)
-                r1 = gl.load(ptrs + 1 * 64, mask=vmask, other=0)
-                r2 = gl.load(ptrs + 2 * 64, mask=vmask, other=0)
-                r3 = gl.load(ptrs + 3 * 64, mask=vmask, other=0)
-                sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
-                s0 = gl.load(sc_ptr + 0, mask=valid, other=0.0)
-                s1 = gl.load(sc_ptr + 1, mask=valid, other=0.0)
-                s2 = gl.load(sc_ptr + 2, mask=valid, other=0.0)
-                s3 = gl.load(sc_ptr + 3, mask=valid, other=0.0)
-                _store_fp8_chunk(kn.slice(0, 64, dim=1), r0, s0, False)
-                _store_fp8_chunk(kn.slice(64, 64, dim=1), r1, s0, False)
-                _store_fp8_chunk(kn.slice(128, 64, dim=1), r2, s0, False)
-                _store_fp8_chunk(kn.slice(192, 64, dim=1), r3, s0, False)
-                r4 = gl.load(ptrs + 4 * 64, mask=vmask, other=0)
-                r5 = gl.load(ptrs + 5 * 64, mask=vmask, other=0)
-                r6 = gl.load(ptrs + 6 * 64, mask=vmask, other=0)
-                r7 = gl.load(ptrs + 7 * 64, mask=vmask, other=0)
-                rope_base = gl.convert_layout(rbase + 528, gl.SliceLayout(1, G16))
-                rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
-                rope = gl.load(rope_ptrs, mask=gl.convert_layout(valid, gl.SliceLayout(1, G16))[:, None], other=0.0)
-                _store_fp8_chunk(kn.slice(256, 64, dim=1), r4, s0, False)
-                _store_fp8_chunk(kn.slice(320, 64, dim=1), r5, s0, False)
-                _store_fp8_chunk(kn.slice(384, 64, dim=1), r6, s0, False)
-                _store_fp8_chunk(kn.slice(448, 64, dim=1), r7, s0, False)
-                krope.index(stage).store(rope)
-                scales.index(stage * 4 + 0).store(s0)
-                scales.index(stage * 4 + 1).store(s1)
-                scales.index(stage * 4 + 2).store(s2)
-                scales.index(stage * 4 + 3).store(s3)
-            else:
-                # fp8_584: per page, data rows of 576 bytes (448 e4m3 + 64 bf16), then 8-byte scale rows
-                # (7 UE8M0 exponents). Each 64-dim group's scale 2^(e-127) is a power of two, exact in bf16.
-                rbase = page * c_sp + row * 576
-                sbase = page * c_sp + c_ps * 576 + row * 8
-                ptrs = c_ptr + rbase[:, None] + cols8[None, :]
-                e0 = gl.load(c_ptr + sbase + 0, mask=valid, other=127).to(gl.int32)
-                e1 = gl.load(c_ptr + sbase + 1, mask=valid, other=127).to(gl.int32)
-                e2 = gl.load(c_ptr + sbase + 2, mask=valid, other=127).to(gl.int32)
-                e3 = gl.load(c_ptr + sbase + 3, mask=valid, other=127).to(gl.int32)
-                e4 = gl.load(c_ptr + sbase + 4, mask=valid, other=127).to(gl.int32)
-                e5 = gl.load(c_ptr + sbase + 5, mask=valid, other=127).to(gl.int32)
-                e6 = gl.load(c_ptr + sbase + 6, mask=valid, other=127).to(gl.int32)
-                r0 = gl.load(ptrs + 0 * 64, mask=vmask, other=0)
-                r1 = gl.load(ptrs + 1 * 64, mask=vmask, other=0)
-                r2 = gl.load(ptrs + 2 * 64, mask=vmask, other=0)
-                r3 = gl.load(ptrs + 3 * 64, mask=vmask, other=0)
-                _store_fp8_chunk(kn.slice(0, 64, dim=1), r0, _ue8m0_to_bf16(e0), True)
-                _store_fp8_chunk(kn.slice(64, 64, dim=1), r1, _ue8m0_to_bf16(e1), True)
-                _store_fp8_chunk(kn.slice(128, 64, dim=1), r2, _ue8m0_to_bf16(e2), True)
-                _store_fp8_chunk(kn.slice(192, 64, dim=1), r3, _ue8m0_to_bf16(e3), True)
-                r4 = gl.load(ptrs + 4 * 64, mask=vmask, other=0)
-                r5 = gl.load(ptrs + 5 * 64, mask=vmask, other=0)
-                r6 = gl.load(ptrs + 6 * 64, mask=vmask, other=0)
-                tail_base = gl.convert_layout(rbase + 448, gl.SliceLayout(1, G16))
-                tail_ptrs = (c_ptr + tail_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
-                tail = gl.load(tail_ptrs, mask=gl.convert_layout(valid, gl.SliceLayout(1, G16))[:, None], other=0.0)
-                _store_fp8_chunk(kn.slice(256, 64, dim=1), r4, _ue8m0_to_bf16(e4), True)
-                _store_fp8_chunk(kn.slice(320, 64, dim=1), r5, _ue8m0_to_bf16(e5), True)
-                _store_fp8_chunk(kn.slice(384, 64, dim=1), r6, _ue8m0_to_bf16(e6), True)
-                kn.slice(448, 64, dim=1).store(tail)
-            valid_smem.index(stage).store(valid.to(gl.int32))
-            fence_async_shared()
-            mbarrier.arrive(ready.index(stage))
+        n = blk_hi - blk_lo
+        for i in range(0, n + 1):
+            if i < n:
+                stage = i % 2
+                mbarrier.wait(empty.index(stage), ((i // 2) & 1) ^ 1)
+                _issue_block(blk_lo + i, stage, t, nb_main, n_main, n_extra,
+                             cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                             stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
+            if i > 0:
+                prev = (i - 1) % 2
+                if i < n:
+                    async_copy.wait_group(1)  # block i - 1 has landed; block i may still be in flight
+                else:
+                    async_copy.wait_group(0)
+                _cta_barrier()  # every thread's copies (and scale stores) are visible to the partition
+                if KV_FORMAT != 0:
+                    _convert_block(prev, knope, scales, KV_FORMAT)
+                fence_async_shared()
+                mbarrier.arrive(ready.index(prev))
 
     @gluon.jit
     def _ue8m0_to_bf16(e):
@@ -470,7 +511,8 @@ if HAS_GLUON:
         qr = gl.allocate_shared_memory(gl.bfloat16, [_BH, 64], SL)
         knope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 512], SL)
         krope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 64], SL)
-        scales = gl.allocate_shared_memory(gl.float32, [8, _BN], VL1)  # [stage * 4 + group][key]
+        # fp8_656: [stage * 4 + group][key] scales; fp8_584: [stage * 8 + group][key] scales (as float32)
+        scales = gl.allocate_shared_memory(gl.float32, [16, _BN], VL1)
         valid_smem = gl.allocate_shared_memory(gl.int32, [2, _BN], VL1)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
