@@ -41,6 +41,8 @@ Gluon does not run under the Triton interpreter: these kernels are tested on the
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
@@ -70,6 +72,10 @@ _MIN_BLOCKS_PER_SPLIT = 1
 # Registers per thread requested for the second consumer and the producer (setmaxnreg); the first
 # consumer (the default partition) gets what is left of the 64K register file.
 _WORKER_REGS = (208, 80)
+# Keys per softmax step of fp8_656 (the scale folding keeps one more tile live) and whether the second
+# consumer starts its Q K^T only when the first one's is done (their softmaxes then overlap MMAs).
+_FOLD_NK = int(os.environ.get("TORCH_SPARSE_MLA_FOLD_NK", "32"))
+_STAGGER = os.environ.get("TORCH_SPARSE_MLA_STAGGER", "1") == "1"
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -150,24 +156,12 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _issue_block(
-        blk, stage, t, nb_main, n_main, n_extra,
-        cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
-        knope, krope, scales, valid_smem,
-        KV_FORMAT: gl.constexpr, D: gl.constexpr, HAS_EXTRA: gl.constexpr,
-    ):
-        """Start the copies of block ``blk`` into ring stage ``stage`` (cp.async, one commit group).
-
-        Bytes that need no conversion go straight to their final place: bf16 cache rows, the bf16 dims
-        of the fp8 formats, the fp8_656 scales. The e4m3 bytes land in a raw staging area inside the
-        stage's own bf16 tile (its upper half), which :func:`_convert_block` expands in place. Invalid
-        keys copy nothing and read as zeros. Also writes the keys' validity (and the fp8_584 scales)."""
-        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        ROWS8: gl.constexpr = gl.SliceLayout(1, G8)
-        ROWS16: gl.constexpr = gl.SliceLayout(1, G16)
-        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+    def _block_list(blk, t, nb_main, n_main, n_extra,
+                    cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                    xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
+                    HAS_EXTRA: gl.constexpr):
+        """The cache, list and position of block ``blk`` (blocks past the main list's come from the extra
+        list): ``(cache, page stride, row stride, page size, slots, list row, list stride, used, first)``."""
         c_ptr = cache_ptr
         c_sp = stride_cp
         c_sr = stride_cr
@@ -188,10 +182,49 @@ if HAS_GLUON:
                 i_st = stride_xk
                 n_used = n_extra
                 first = (blk - nb_main) * _BN
-        offs = first + gl.arange(0, _BN, layout=ROWS8)
+        return c_ptr, c_sp, c_sr, c_ps, c_ns, i_ptr, i_st, n_used, first
+
+    @gluon.jit
+    def _block_slots(blk, t, nb_main, n_main, n_extra,
+                     cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                     xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
+                     HAS_EXTRA: gl.constexpr):
+        """The 64 slot ids of block ``blk`` (-1 past the list's used length; a block past the end loads
+        nothing): loaded one block ahead, so the index round trip is off the critical path."""
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        c_ptr, c_sp, c_sr, c_ps, c_ns, i_ptr, i_st, n_used, first = _block_list(
+            blk, t, nb_main, n_main, n_extra, cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr,
+            stride_it, stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+            stride_xk, HAS_EXTRA)
+        offs = first + gl.arange(0, _BN, layout=gl.SliceLayout(1, G8))
         in_list = offs < n_used
-        slot = gl.load(i_ptr + offs * i_st, mask=in_list, other=-1).to(gl.int64)
-        valid = in_list & (slot >= 0) & (slot < c_ns)
+        return gl.load(i_ptr + offs * i_st, mask=in_list, other=-1)
+
+    @gluon.jit
+    def _issue_block(
+        blk, stage, slot_ids, t, nb_main, n_main, n_extra,
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
+        knope, krope, scales, valid_smem,
+        KV_FORMAT: gl.constexpr, D: gl.constexpr, HAS_EXTRA: gl.constexpr,
+    ):
+        """Start the copies of block ``blk`` into ring stage ``stage`` (cp.async, one commit group).
+
+        Bytes that need no conversion go straight to their final place: bf16 cache rows, the bf16 dims
+        of the fp8 formats, the fp8_656 scales. The e4m3 bytes land in a raw staging area inside the
+        stage's own bf16 tile (its upper half), which :func:`_convert_block` expands in place. Invalid
+        keys copy nothing and read as zeros. Also writes the keys' validity (and the fp8_584 scales)."""
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        ROWS8: gl.constexpr = gl.SliceLayout(1, G8)
+        ROWS16: gl.constexpr = gl.SliceLayout(1, G16)
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        c_ptr, c_sp, c_sr, c_ps, c_ns, i_ptr, i_st, n_used, first = _block_list(
+            blk, t, nb_main, n_main, n_extra, cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr,
+            stride_it, stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+            stride_xk, HAS_EXTRA)
+        slot = slot_ids.to(gl.int64)
+        valid = (slot >= 0) & (slot < c_ns)
         slot = gl.where(valid, slot, 0)
         page = slot // c_ps
         row = slot - page * c_ps
@@ -307,31 +340,44 @@ if HAS_GLUON:
         KV_FORMAT: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
         HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr,
     ):
-        """Software-pipelined by one block: the copies of block i are in flight while block i - 1 is
-        converted and handed to the consumers."""
+        """Pipelined: block i + 1's copies (and block i + 2's slot ids) are in flight while the consumers
+        work on block i; block i is converted and handed over as soon as its bytes have landed."""
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             gl.program_id(0), num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
         n = blk_hi - blk_lo
-        for i in range(0, n + 1):
-            if i < n:
-                stage = i % 2
-                mbarrier.wait(empty.index(stage), ((i // 2) & 1) ^ 1)
-                _issue_block(blk_lo + i, stage, t, nb_main, n_main, n_extra,
+        slots = _block_slots(blk_lo, t, nb_main, n_main, n_extra,
+                             cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                             stride_xk, HAS_EXTRA)
+        if n > 0:
+            _issue_block(blk_lo, 0, slots, t, nb_main, n_main, n_extra,
+                         cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                         xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                         stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
+        slots = _block_slots(blk_lo + 1, t, nb_main, n_main, n_extra,
+                             cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                             stride_xk, HAS_EXTRA)
+        for i in range(0, n):
+            stage = i % 2
+            async_copy.wait_group(0)  # block i has landed
+            _cta_barrier()  # every thread's copies (and scale stores) are visible to the partition
+            if KV_FORMAT != 0:
+                _convert_block(stage, knope, scales, KV_FORMAT)
+            fence_async_shared()
+            mbarrier.arrive(ready.index(stage))
+            if i + 1 < n:
+                nxt = (i + 1) % 2
+                mbarrier.wait(empty.index(nxt), (((i + 1) // 2) & 1) ^ 1)  # the consumers are done with i - 1
+                _issue_block(blk_lo + i + 1, nxt, slots, t, nb_main, n_main, n_extra,
                              cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                              xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
                              stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
-            if i > 0:
-                prev = (i - 1) % 2
-                if i < n:
-                    async_copy.wait_group(1)  # block i - 1 has landed; block i may still be in flight
-                else:
-                    async_copy.wait_group(0)
-                _cta_barrier()  # every thread's copies (and scale stores) are visible to the partition
-                if KV_FORMAT != 0:
-                    _convert_block(prev, knope, scales, KV_FORMAT)
-                fence_async_shared()
-                mbarrier.arrive(ready.index(prev))
+                slots = _block_slots(blk_lo + i + 2, t, nb_main, n_main, n_extra,
+                                     cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
+                                     stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
+                                     stride_xt, stride_xk, HAS_EXTRA)
 
     @gluon.jit
     def _ue8m0_to_bf16(e):
@@ -345,8 +391,9 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                K0: gl.constexpr, NK: gl.constexpr, WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
+    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale, qk_done,
+                K0: gl.constexpr, NK: gl.constexpr, WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr,
+                SIGNAL: gl.constexpr):
         """Online softmax over keys ``[K0, K0 + NK)`` of a ring stage: ``(o0, o1, m_i, l_i)`` updated."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NK, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -384,6 +431,8 @@ if HAS_GLUON:
                     s = warpgroup_mma(qn.slice(64 * c, 64, dim=1), keys.slice(64 * c, 64, dim=1).permute((1, 0)), s,
                                       is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
+        if SIGNAL:  # the other consumer may start its Q K^T: its MMAs overlap this softmax
+            mbarrier.arrive(qk_done.index(stage))
         valid = valid_smem.index(stage).slice(K0, NK).load(COLS) != 0
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -409,7 +458,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(
-        qn, qr, knope, krope, scales, valid_smem, ready, empty,
+        qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         sink_ptr, stride_sink,
         out_ptr, stride_ot, stride_oh, stride_od,
@@ -418,6 +467,7 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, qk_scale,
         WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        FOLD_NK: gl.constexpr, STAGGER: gl.constexpr,
     ):
         pid = gl.program_id(0)
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
@@ -425,7 +475,7 @@ if HAS_GLUON:
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
         # FOLD keeps one more [64, NK] float32 tile live during Q K^T: halving the keys per step keeps the
         # warpgroup within its registers (no spills, pipelined wgmma).
-        NK: gl.constexpr = _BN // 2 if FOLD else _BN
+        NK: gl.constexpr = FOLD_NK if FOLD else _BN
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 128, 16])
         ROWS: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -440,9 +490,11 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(stage), (i // 2) & 1)
             kn = knope.index(stage)
             kr = krope.index(stage)
+            if STAGGER and WG == 1:
+                mbarrier.wait(qk_done.index(stage), (i // 2) & 1)
             for k0 in gl.static_range(0, _BN, NK):
                 o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                                           k0, NK, WG, FOLD, D)
+                                           qk_done, k0, NK, WG, FOLD, D, STAGGER and WG == 0 and k0 == 0)
             mbarrier.arrive(empty.index(stage))
 
         heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, O_L))
@@ -503,7 +555,7 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, qk_scale,
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        WORKER_REGS: gl.constexpr,
+        WORKER_REGS: gl.constexpr, FOLD_NK: gl.constexpr, STAGGER: gl.constexpr,
     ):
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -516,26 +568,28 @@ if HAS_GLUON:
         valid_smem = gl.allocate_shared_memory(gl.int32, [2, _BN], VL1)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        qk_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(ready.index(s), count=1)  # the producer partition
             mbarrier.init(empty.index(s), count=2)  # the two consumer partitions
+            mbarrier.init(qk_done.index(s), count=1)  # the first consumer (STAGGER)
         pid = gl.program_id(0)
         hb = pid % num_head_blocks
         t = (pid // num_head_blocks // num_splits).to(gl.int64)
         _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
         gl.warp_specialize(
-            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
+            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                          0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
-             (_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
+                          0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, FOLD_NK, STAGGER)),
+             (_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                          1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+                          1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, FOLD_NK, STAGGER)),
              (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
@@ -625,7 +679,8 @@ def make_launch(q, kv_cache, indices, softmax_scale, kv_format, topk_length, att
     )
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
-                HAS_SINK=attn_sink is not None, SPLIT=splits > 1, WORKER_REGS=_WORKER_REGS)
+                HAS_SINK=attn_sink is not None, SPLIT=splits > 1, WORKER_REGS=_WORKER_REGS, FOLD_NK=_FOLD_NK,
+                STAGGER=_STAGGER)
     return KernelLaunch(_sparse_mla_decode_hopper_kernel, (num_tokens * splits * plan.head_blocks,), args, meta,
                         num_warps=4, device=q.device)
 
