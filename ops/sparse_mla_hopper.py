@@ -74,10 +74,8 @@ _MIN_BLOCKS_PER_SPLIT = 1
 _WORKER_REGS = (208, 80)
 # Keys per softmax step of fp8_656 (the scale folding keeps one more tile live) and whether the second
 # consumer starts its Q K^T only when the first one's is done (their softmaxes then overlap MMAs).
-_FOLD_NK = int(os.environ.get("TORCH_SPARSE_MLA_FOLD_NK", "64"))
-_SHARE = os.environ.get("TORCH_SPARSE_MLA_SHARE", "1") == "1"
-_WORKER_REGS_SHARE = (176, 80)
-_WORKER_REGS_SHARE_FOLD = (192, 64)  # the second consumer rescales P per group in registers
+_FOLD_NK = int(os.environ.get("TORCH_SPARSE_MLA_FOLD_NK", "32"))
+_STAGGER = os.environ.get("TORCH_SPARSE_MLA_STAGGER", "1") == "1"
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -230,7 +228,7 @@ if HAS_GLUON:
         slot = gl.where(valid, slot, 0)
         page = slot // c_ps
         row = slot - page * c_ps
-        valid_smem.index(stage).store(valid.to(gl.int8))
+        valid_smem.index(stage).store(valid.to(gl.int32))
         kn = knope.index(stage)
         vmask8 = valid[:, None]
         valid16 = gl.convert_layout(valid, ROWS16)
@@ -393,13 +391,10 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                p_smem, stat_smem, p_ready, p_free, i,
+    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale, qk_done,
                 K0: gl.constexpr, NK: gl.constexpr, WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr,
-                SHARE: gl.constexpr):
-        """Online softmax over keys ``[K0, K0 + NK)`` of a ring stage: ``(o0, o1, m_i, l_i)`` updated.
-        With ``SHARE`` (first consumer only) the probabilities and the rescale factor of block ``i`` are
-        also handed to the second consumer through shared memory."""
+                SIGNAL: gl.constexpr):
+        """Online softmax over keys ``[K0, K0 + NK)`` of a ring stage: ``(o0, o1, m_i, l_i)`` updated."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NK, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 128, 16])
@@ -436,6 +431,8 @@ if HAS_GLUON:
                     s = warpgroup_mma(qn.slice(64 * c, 64, dim=1), keys.slice(64 * c, 64, dim=1).permute((1, 0)), s,
                                       is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
+        if SIGNAL:  # the other consumer may start its Q K^T: its MMAs overlap this softmax
+            mbarrier.arrive(qk_done.index(stage))
         valid = valid_smem.index(stage).slice(K0, NK).load(COLS) != 0
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -443,12 +440,6 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_use)
         p = gl.exp2(s - m_use[:, None])
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        if SHARE:
-            mbarrier.wait(p_free, (i & 1) ^ 1)  # the second consumer is done with the previous block's P
-            p_smem.store(p.to(p_smem.dtype))  # fp16 (scaled again by the reader) or bf16 (an MMA operand)
-            stat_smem.index(0).store(alpha)
-            fence_async_shared()
-            mbarrier.arrive(p_ready)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         if FOLD:
             # V of group g is its raw values: P takes the group's per-key scale (one bf16 rounding).
@@ -467,7 +458,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(
-        qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem, stat_smem, p_ready, p_free,
+        qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         sink_ptr, stride_sink,
         out_ptr, stride_ot, stride_oh, stride_od,
@@ -476,7 +467,7 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, qk_scale,
         WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        FOLD_NK: gl.constexpr, SHARE: gl.constexpr,
+        FOLD_NK: gl.constexpr, STAGGER: gl.constexpr,
     ):
         pid = gl.program_id(0)
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
@@ -484,7 +475,7 @@ if HAS_GLUON:
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
         # FOLD keeps one more [64, NK] float32 tile live during Q K^T: halving the keys per step keeps the
         # warpgroup within its registers (no spills, pipelined wgmma).
-        NK: gl.constexpr = FOLD_NK if (FOLD and not SHARE) else _BN
+        NK: gl.constexpr = FOLD_NK if FOLD else _BN
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 128, 16])
         ROWS: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -499,85 +490,18 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(stage), (i // 2) & 1)
             kn = knope.index(stage)
             kr = krope.index(stage)
+            if STAGGER and WG == 1:
+                mbarrier.wait(qk_done.index(stage), (i // 2) & 1)
             for k0 in gl.static_range(0, _BN, NK):
                 o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                                           p_smem, stat_smem, p_ready, p_free, i, k0, NK, WG, FOLD, D, SHARE)
+                                           qk_done, k0, NK, WG, FOLD, D, STAGGER and WG == 0 and k0 == 0)
             mbarrier.arrive(empty.index(stage))
-        if SHARE:  # final statistics for the second consumer's epilogue
-            n = blk_hi - blk_lo
-            mbarrier.wait(p_free, (n & 1) ^ 1)
-            stat_smem.index(0).store(m_i)
-            stat_smem.index(1).store(l_i)
-            mbarrier.arrive(p_ready)
-        _epilogue(o0, o1, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
-                  pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
-                  stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, WG, HAS_SINK, SPLIT)
 
-    @gluon.jit
-    def _consumer_v(
-        qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem, stat_smem, p_ready, p_free,
-        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-        sink_ptr, stride_sink,
-        out_ptr, stride_ot, stride_oh, stride_od,
-        lse_ptr, stride_lt, stride_lh,
-        ws_ptr, ws_ml_off,
-        num_heads, num_head_blocks, num_splits, qk_scale,
-        WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
-        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        FOLD_NK: gl.constexpr, SHARE: gl.constexpr,
-    ):
-        """Second consumer with ``SHARE``: no Q K^T of its own; it rescales its half of O by the first
-        consumer's factor and adds ``P V`` for dims 256..511 with the P it was handed."""
-        pid = gl.program_id(0)
-        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
-            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, 64, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 128, 16])
-        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        COLS: gl.constexpr = gl.SliceLayout(0, S_L)
-        ROWS_O: gl.constexpr = gl.SliceLayout(1, O_L)
-        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)
-        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)
-        for blk in range(blk_lo, blk_hi):
-            i = blk - blk_lo
-            stage = i % 2
-            mbarrier.wait(ready.index(stage), (i // 2) & 1)
-            mbarrier.wait(p_ready, i & 1)
-            alpha = stat_smem.index(0).load(ROWS_O)[:, None]
-            kn = knope.index(stage)
-            if FOLD:
-                p = p_smem.load(S_L).to(gl.float32)
-                p2 = gl.convert_layout((p * scales.index(stage * 4 + 2).load(COLS)[None, :]).to(gl.bfloat16), P_L)
-                o0 = warpgroup_mma(p2, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
-                p3 = gl.convert_layout((p * scales.index(stage * 4 + 3).load(COLS)[None, :]).to(gl.bfloat16), P_L)
-                o1 = warpgroup_mma(p3, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
-            else:
-                o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
-                o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
-            o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
-            mbarrier.arrive(p_free)
-            mbarrier.arrive(empty.index(stage))
-        n = blk_hi - blk_lo
-        mbarrier.wait(p_ready, n & 1)
-        m_o = stat_smem.index(0).load(ROWS_O)
-        l_o = stat_smem.index(1).load(ROWS_O)
-        _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
-                  lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, 1,
-                  HAS_SINK, SPLIT)
-
-    @gluon.jit
-    def _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
-                  lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
-                  WG: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
-        """Consumer ``WG``'s half of ``out`` (or of the split workspace); the first consumer also writes
-        ``lse`` (or ``m``, ``l``)."""
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 128, 16])
         heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, O_L))
         head_ok = heads < num_heads
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))
+        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
         if SPLIT:
             split = (pid // num_head_blocks) % num_splits
             row = (t * num_splits + split) * num_heads + heads.to(gl.int64)  # [T, S, H] row of the workspace
@@ -631,7 +555,7 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, qk_scale,
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        WORKER_REGS: gl.constexpr, FOLD_NK: gl.constexpr, SHARE: gl.constexpr,
+        WORKER_REGS: gl.constexpr, FOLD_NK: gl.constexpr, STAGGER: gl.constexpr,
     ):
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -640,39 +564,32 @@ if HAS_GLUON:
         knope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 512], SL)
         krope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 64], SL)
         # fp8_656: [stage * 4 + group][key] scales; fp8_584: [stage * 8 + group][key] scales (as float32)
-        scales = gl.allocate_shared_memory(gl.float32, [16 if KV_FORMAT == 2 else 8, _BN], VL1)
-        valid_smem = gl.allocate_shared_memory(gl.int8, [2, _BN], VL1)
-        # SHARE: the first consumer's probabilities for the second one (fp16 when they are scaled again
-        # per group there, bf16 when they are an MMA operand as they are), and per-row statistics.
-        p_smem = gl.allocate_shared_memory(gl.float16 if FOLD else gl.bfloat16, [_BH if SHARE else 16, _BN], SL)
-        stat_smem = gl.allocate_shared_memory(gl.float32, [2, _BH], VL1)
+        scales = gl.allocate_shared_memory(gl.float32, [16, _BN], VL1)
+        valid_smem = gl.allocate_shared_memory(gl.int32, [2, _BN], VL1)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        qk_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(ready.index(s), count=1)  # the producer partition
             mbarrier.init(empty.index(s), count=2)  # the two consumer partitions
-        mbarrier.init(p_ready, count=1)  # SHARE: the first consumer
-        mbarrier.init(p_free, count=1)  # SHARE: the second consumer
+            mbarrier.init(qk_done.index(s), count=1)  # the first consumer (STAGGER)
         pid = gl.program_id(0)
         hb = pid % num_head_blocks
         t = (pid // num_head_blocks // num_splits).to(gl.int64)
         _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
         gl.warp_specialize(
-            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem, stat_smem, p_ready, p_free,
+            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                          0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, FOLD_NK, SHARE)),
-             (_consumer_v if SHARE else _consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem,
-                                                   stat_smem, p_ready, p_free,
+                          0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, FOLD_NK, STAGGER)),
+             (_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                          1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, FOLD_NK, SHARE)),
+                          1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, FOLD_NK, STAGGER)),
              (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
@@ -762,9 +679,8 @@ def make_launch(q, kv_cache, indices, softmax_scale, kv_format, topk_length, att
     )
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
-                HAS_SINK=attn_sink is not None, SPLIT=splits > 1,
-                WORKER_REGS=(_WORKER_REGS_SHARE_FOLD if kv_format == "fp8_656" else _WORKER_REGS_SHARE) if _SHARE
-                else _WORKER_REGS, FOLD_NK=_FOLD_NK, SHARE=_SHARE)
+                HAS_SINK=attn_sink is not None, SPLIT=splits > 1, WORKER_REGS=_WORKER_REGS, FOLD_NK=_FOLD_NK,
+                STAGGER=_STAGGER)
     return KernelLaunch(_sparse_mla_decode_hopper_kernel, (num_tokens * splits * plan.head_blocks,), args, meta,
                         num_warps=4, device=q.device)
 
