@@ -41,8 +41,6 @@ Gluon does not run under the Triton interpreter: these kernels are tested on the
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
@@ -72,10 +70,6 @@ _MIN_BLOCKS_PER_SPLIT = 1
 # Registers per thread requested for the second consumer and the producer (setmaxnreg); the first
 # consumer (the default partition) gets what is left of the 64K register file.
 _WORKER_REGS = (208, 80)
-# Keys per softmax step of fp8_656 (the scale folding keeps one more tile live) and whether the second
-# consumer starts its Q K^T only when the first one's is done (their softmaxes then overlap MMAs).
-_FOLD_NK = int(os.environ.get("TORCH_SPARSE_MLA_FOLD_NK", "32"))
-_STAGGER = os.environ.get("TORCH_SPARSE_MLA_STAGGER", "1") == "1"
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -391,9 +385,8 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale, qk_done,
-                K0: gl.constexpr, NK: gl.constexpr, WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr,
-                SIGNAL: gl.constexpr):
+    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
+                K0: gl.constexpr, NK: gl.constexpr, WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
         """Online softmax over keys ``[K0, K0 + NK)`` of a ring stage: ``(o0, o1, m_i, l_i)`` updated."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NK, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -431,8 +424,6 @@ if HAS_GLUON:
                     s = warpgroup_mma(qn.slice(64 * c, 64, dim=1), keys.slice(64 * c, 64, dim=1).permute((1, 0)), s,
                                       is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        if SIGNAL:  # the other consumer may start its Q K^T: its MMAs overlap this softmax
-            mbarrier.arrive(qk_done.index(stage))
         valid = valid_smem.index(stage).slice(K0, NK).load(COLS) != 0
         s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
@@ -458,7 +449,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(
-        qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
+        qn, qr, knope, krope, scales, valid_smem, ready, empty,
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         sink_ptr, stride_sink,
         out_ptr, stride_ot, stride_oh, stride_od,
@@ -467,15 +458,14 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, qk_scale,
         WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        FOLD_NK: gl.constexpr, STAGGER: gl.constexpr,
     ):
         pid = gl.program_id(0)
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        # FOLD keeps one more [64, NK] float32 tile live during Q K^T: halving the keys per step keeps the
-        # warpgroup within its registers (no spills, pipelined wgmma).
-        NK: gl.constexpr = FOLD_NK if FOLD else _BN
+        # One softmax step per ring stage. (fp8_656's scale folding keeps one more [64, 64] float32 tile
+        # live and spills a little; steps of 32 keys avoid that but measured 10-20% slower on an H200.)
+        NK: gl.constexpr = _BN
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 128, 16])
         ROWS: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -490,11 +480,9 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(stage), (i // 2) & 1)
             kn = knope.index(stage)
             kr = krope.index(stage)
-            if STAGGER and WG == 1:
-                mbarrier.wait(qk_done.index(stage), (i // 2) & 1)
             for k0 in gl.static_range(0, _BN, NK):
                 o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                                           qk_done, k0, NK, WG, FOLD, D, STAGGER and WG == 0 and k0 == 0)
+                                           k0, NK, WG, FOLD, D)
             mbarrier.arrive(empty.index(stage))
 
         heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, O_L))
@@ -555,7 +543,7 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, qk_scale,
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        WORKER_REGS: gl.constexpr, FOLD_NK: gl.constexpr, STAGGER: gl.constexpr,
+        WORKER_REGS: gl.constexpr,
     ):
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -568,28 +556,26 @@ if HAS_GLUON:
         valid_smem = gl.allocate_shared_memory(gl.int32, [2, _BN], VL1)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        qk_done = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(ready.index(s), count=1)  # the producer partition
             mbarrier.init(empty.index(s), count=2)  # the two consumer partitions
-            mbarrier.init(qk_done.index(s), count=1)  # the first consumer (STAGGER)
         pid = gl.program_id(0)
         hb = pid % num_head_blocks
         t = (pid // num_head_blocks // num_splits).to(gl.int64)
         _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
         gl.warp_specialize(
-            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
+            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                          0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, FOLD_NK, STAGGER)),
-             (_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, qk_done,
+                          0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+             (_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                          1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, FOLD_NK, STAGGER)),
+                          1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
              (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
@@ -679,8 +665,7 @@ def make_launch(q, kv_cache, indices, softmax_scale, kv_format, topk_length, att
     )
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
-                HAS_SINK=attn_sink is not None, SPLIT=splits > 1, WORKER_REGS=_WORKER_REGS, FOLD_NK=_FOLD_NK,
-                STAGGER=_STAGGER)
+                HAS_SINK=attn_sink is not None, SPLIT=splits > 1, WORKER_REGS=_WORKER_REGS)
     return KernelLaunch(_sparse_mla_decode_hopper_kernel, (num_tokens * splits * plan.head_blocks,), args, meta,
                         num_warps=4, device=q.device)
 
