@@ -188,7 +188,7 @@ class M3Step(torch.nn.Module):
         m = self.meta(seq_lens, block_table)
         self.write(k, v, m.slot_mapping)
         return tsm.sparse_gqa_decode(q, self.cache, topk_pages, m.block_table, m.kv_segment_lens, m.qo_offset,
-                                     decode_query_len=M3["q_len"], softmax_scale=M3["dh"] ** -0.5), m.slot_mapping
+                                     decode_query_len=M3["q_len"], softmax_scale=M3["dh"] ** -0.5), m.slot_mapping.clone()
 
 
 # =====================================================================================================

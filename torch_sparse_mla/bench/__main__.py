@@ -38,9 +38,8 @@ def _commit() -> str:
 
 
 def _parser() -> argparse.ArgumentParser:
-    lines = __doc__.splitlines()
-    p = argparse.ArgumentParser(prog="python -m torch_sparse_mla.bench", description=lines[2],
-                                epilog=" ".join(lines[3:]))
+    p = argparse.ArgumentParser(prog="python -m torch_sparse_mla.bench",
+                                description=" ".join(__doc__.splitlines()[2:]))
     p.add_argument("family", choices=FAMILIES + ("all",))
     p.add_argument("--quick", action="store_true", help="fewer configurations")
     p.add_argument("--out", help="write the tables (Markdown) to this file, the roofline plot beside it")
@@ -58,6 +57,8 @@ def main(argv=None) -> int:
         return 2
     import triton
 
+    # Each reference function is compiled once per configuration (static shapes): allow that many.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     peaks = measure_peaks(args.peak_tflops, args.peak_tbps)
     header = (f"date {datetime.date.today().isoformat()}, GPU {torch.cuda.get_device_name()}, "
               f"torch {torch.__version__}, triton {triton.__version__}, commit {_commit()}; roofline ceilings "
