@@ -187,8 +187,9 @@ class M3Step(torch.nn.Module):
     def forward(self, seq_lens, block_table, topk_pages, q, k, v):
         m = self.meta(seq_lens, block_table)
         self.write(k, v, m.slot_mapping)
-        return tsm.sparse_gqa_decode(q, self.cache, topk_pages, m.block_table, m.kv_segment_lens, m.qo_offset,
-                                     decode_query_len=M3["q_len"], softmax_scale=M3["dh"] ** -0.5), m.slot_mapping.clone()
+        out = tsm.sparse_gqa_decode(q, self.cache, topk_pages, m.block_table, m.kv_segment_lens, m.qo_offset,
+                                    decode_query_len=M3["q_len"], softmax_scale=M3["dh"] ** -0.5)
+        return out, m.slot_mapping.clone()
 
 
 # =====================================================================================================

@@ -88,8 +88,8 @@ def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Ite
                        host_overhead=n == 1)
 
             full, _ = _cache(kv_format, pool, device)  # every slot written
-            tsm.kv_cache_insert((torch.randn(pool, dim, generator=gen) * 4).to(device), torch.arange(
-                pool, device=device), full, kv_format=kv_format)
+            tsm.kv_cache_insert(torch.randn(pool, dim, device=device) * 4, torch.arange(pool, device=device), full,
+                                kv_format=kv_format)
             out = torch.empty(n, dim, dtype=torch.bfloat16, device=device)
             gather_ref = compile_reference(_GATHER[kv_format])
 

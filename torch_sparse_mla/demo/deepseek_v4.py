@@ -27,7 +27,8 @@ import torch
 import torch_sparse_mla as tsm
 from torch_sparse_mla.bench import baselines as plain
 
-from ._common import check_graphs, compile_step, cudagraph_skips, format_table, rel_err, say, stage_row, warm, whole_step_rows
+from ._common import (check_graphs, compile_step, cudagraph_skips, format_table, rel_err, say, stage_row, warm,
+                      whole_step_rows)
 
 I32, I64 = torch.int32, torch.int64
 SWA_PAGE = 64  # tokens per page of the sliding-window cache
@@ -82,7 +83,8 @@ class Batch:
         cols = -(-cfg.max_model_len // SWA_PAGE)
         first_page = ((self.seq0 - cfg.window - 1).clamp_min(0)) // SWA_PAGE
         last_page = (last - 1) // SWA_PAGE
-        live = (torch.arange(cols)[None, :] >= first_page[:, None]) & (torch.arange(cols)[None, :] <= last_page[:, None])
+        col = torch.arange(cols)[None, :]
+        live = (col >= first_page[:, None]) & (col <= last_page[:, None])
         self.swa_pages = int(live.sum())
         self.swa_table = torch.full((b, cols), -1, dtype=I32)
         self.swa_table[live] = torch.randperm(self.swa_pages, generator=gen).to(I32)

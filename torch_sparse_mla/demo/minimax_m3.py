@@ -24,7 +24,8 @@ import torch
 
 import torch_sparse_mla as tsm
 
-from ._common import check_graphs, compile_step, cudagraph_skips, format_table, rel_err, say, stage_row, warm, whole_step_rows
+from ._common import (check_graphs, compile_step, cudagraph_skips, format_table, rel_err, say, stage_row, warm,
+                      whole_step_rows)
 
 I32, I64 = torch.int32, torch.int64
 HAS_GQA_INSERT = hasattr(tsm, "gqa_kv_cache_insert")
@@ -80,7 +81,8 @@ class Config:
         return self.context + self.page_size
 
     def describe(self) -> str:
-        return (f"{self.layers} layer{'s' if self.layers > 1 else ''}, batch {self.batch} (one padded request), context up to {self.context}, "
+        layers = f"{self.layers} layer{'s' if self.layers > 1 else ''}"
+        return (f"{layers}, batch {self.batch} (one padded request), context up to {self.context}, "
                 f"{self.q_heads}/{self.kv_heads} heads x {self.head_dim}, {self.selected} pages of {self.page_size} "
                 f"per row and KV head, {self.kv_format} cache")
 
@@ -310,4 +312,5 @@ def run(cfg: Config, device: torch.device, iters: int, compile_plain: bool) -> s
         ]
         rows += whole_step_rows(ours, compiled_default, compiled_graph, base, args, device, iters, compile_plain)
     where = "GPU, stages timed as CUDA-graph replays" if device.type == "cuda" else "CPU, stages timed eagerly"
-    return format_table(f"MiniMax-M3 step, {cfg.layers} layer{'s' if cfg.layers > 1 else ''}, batch {cfg.batch} ({where}):", rows)
+    layers = f"{cfg.layers} layer{'s' if cfg.layers > 1 else ''}"
+    return format_table(f"MiniMax-M3 step, {layers}, batch {cfg.batch} ({where}):", rows)
