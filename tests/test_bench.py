@@ -85,3 +85,28 @@ def test_bench_needs_a_gpu(capsys):
         pytest.skip("this machine has a GPU: the benchmark would run")
     assert main(["metadata"]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
+    """The command's whole flow on a CPU, with the GPU timers replaced by constants: every family's
+    table, the host-overhead table and the header reach the output file."""
+    import functools
+
+    from torch_sparse_mla.bench import __main__ as cli
+
+    monkeypatch.setattr(common, "REFERENCE_BACKEND", "aot_eager")
+    monkeypatch.setattr(common, "graph_us", lambda fn, calls=1: (fn(), 10.0)[1])
+    monkeypatch.setattr(common, "eager_us", lambda fn: (fn(), 25.0)[1])
+    monkeypatch.setattr(cli, "_gpu", lambda: "test device")
+    for family in FAMILIES:
+        module = importlib.import_module(f"torch_sparse_mla.bench.{family}")
+        monkeypatch.setattr(module, "cases", functools.partial(module.cases, device="cpu", smoke=True))
+    out = tmp_path / "bench.md"
+    assert cli.main(["all", "--out", str(out), "--peak-tflops", "100", "--peak-tbps", "1"]) == 0
+    text = out.read_text()
+    assert text.startswith("date ") and "GPU test device" in text and "(given)" in text
+    for title in cli.TITLES.values():
+        assert f"### {title}" in text
+    assert "### Host overhead (T = 1)" in text
+    assert "| config | graph µs | eager µs |" in text
+    assert "plot" in capsys.readouterr().out

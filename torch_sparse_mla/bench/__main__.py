@@ -37,6 +37,11 @@ def _commit() -> str:
         return "unknown"
 
 
+def _gpu() -> str | None:
+    """The GPU the benchmark times, or None without one."""
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else None
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m torch_sparse_mla.bench",
                                 description=" ".join(__doc__.splitlines()[2:]))
@@ -52,7 +57,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
-    if not torch.cuda.is_available():
+    gpu = _gpu()
+    if gpu is None:
         print("torch_sparse_mla.bench: needs a CUDA GPU (it times the Triton kernels)", file=sys.stderr)
         return 2
     import triton
@@ -60,7 +66,7 @@ def main(argv=None) -> int:
     # Each reference function is compiled once per configuration (static shapes): allow that many.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
     peaks = measure_peaks(args.peak_tflops, args.peak_tbps)
-    header = (f"date {datetime.date.today().isoformat()}, GPU {torch.cuda.get_device_name()}, "
+    header = (f"date {datetime.date.today().isoformat()}, GPU {gpu}, "
               f"torch {torch.__version__}, triton {triton.__version__}, commit {_commit()}; roofline ceilings "
               f"{peaks.bytes / 1e12:.2f} TB/s and {peaks.flops / 1e12:.0f} bf16 TFLOP/s ({peaks.how}); "
               f"{args.calls_per_graph} call(s) per CUDA graph")
