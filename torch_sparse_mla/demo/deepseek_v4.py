@@ -380,14 +380,16 @@ def _stage_rows(ours: DeepSeekV4Step, base: PlainDeepSeekV4Step, x: dict, meta_a
     def row(name, fn_ours, fn_base):
         return stage_row(name, fn_ours, fn_base, device, iters, compile_plain)
 
-    return [
+    rows = [
         row("metadata (4 ops)", lambda: ours.metadata(*meta_args), lambda: base.metadata(*meta_args)),
         row(f"cache writes ({n_writes} inserts)", lambda: ours.write_caches(m_ours, x["kv"], x["compressed_kv"]),
             lambda: base.write_caches(m_base, x["kv"], x["compressed_kv"])),
-        row(f"indexer top-k to slots ({num_c4} C4A layers)",
-            lambda: [ours.extra_lists(m_ours, x["local_topk"], i, 4) for i in range(num_c4)],
-            lambda: [base.extra_lists(m_base, x["local_topk"], i, 4) for i in range(num_c4)]),
-        row(f"attention ({n_layers} layers)",
-            lambda: [ours.attend(m_ours, i, x["q"], extras_ours[i]) for i in range(n_layers)],
-            lambda: [base.attend(m_base, i, x["q"], extras_base[i]) for i in range(n_layers)]),
     ]
+    if num_c4:
+        rows.append(row(f"indexer top-k to slots ({num_c4} C4A layers)",
+                        lambda: [ours.extra_lists(m_ours, x["local_topk"], i, 4) for i in range(num_c4)],
+                        lambda: [base.extra_lists(m_base, x["local_topk"], i, 4) for i in range(num_c4)]))
+    rows.append(row(f"attention ({n_layers} layers)",
+                    lambda: [ours.attend(m_ours, i, x["q"], extras_ours[i]) for i in range(n_layers)],
+                    lambda: [base.attend(m_base, i, x["q"], extras_base[i]) for i in range(n_layers)]))
+    return rows
