@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The whole GPU check in one call (for the lent H200, or any CUDA machine): the full test suite (its
-# CUDA tests included: parity, manual CUDA-graph capture/replay, reduce-overhead capture), the demo and
-# the benchmarks. Logs and the benchmark table go to $OUT (default ./gpu_out).
+# The whole GPU check in one call, on any CUDA machine: the full test suite (its CUDA tests included:
+# parity, manual CUDA-graph capture and replay, reduce-overhead capture), the demo and the benchmarks.
+# Logs, the benchmark tables and the roofline plot go to $OUT (default ./gpu_out).
 #   bash scripts/gpu_suite.sh [tests|demo|bench|all] [test files, relative to the repo (default: tests/)]
+# Extra arguments for the benchmark: BENCH_ARGS (e.g. BENCH_ARGS="--quick --peak-tbps 4.3").
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WHAT=${1:-all}; shift || true
@@ -10,8 +11,8 @@ OUT=${OUT:-$REPO/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-# An importable copy of the package (ops/ and meta_kernels/ inside it, as the wheel lays them out),
-# so nothing needs pip or a network; wheels carried in .whl/ (expecttest) go beside it.
+# An importable copy of the package (ops/ and meta_kernels/ inside it, as the wheel lays them out), so
+# nothing needs pip or a network; wheels placed in .whl/ (expecttest, say) are installed beside it.
 SITE=$(mktemp -d)
 if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$REPO"/.whl/*.whl || exit 1
@@ -32,7 +33,8 @@ if [ "$WHAT" = demo ] || [ "$WHAT" = all ]; then
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
-  python3 -m torch_sparse_mla.bench all --out "$OUT/benchmarks.md" 2>&1 | tee "$OUT/bench.log"
+  # shellcheck disable=SC2086
+  python3 -m torch_sparse_mla.bench all --out "$OUT/benchmarks.md" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
   [ "${PIPESTATUS[0]}" = 0 ] || rc=1
 fi
 exit $rc

@@ -9,7 +9,7 @@ Used to choose the defaults of ``ops/sparse_gqa.py::launch_config``; not a test,
 import torch
 
 from torch_sparse_mla.bench import gqa
-from torch_sparse_mla.bench.common import time_us
+from torch_sparse_mla.bench.common import graph_us
 from torch_sparse_mla.ops.sparse_gqa import sparse_gqa_decode_triton
 
 VARIANTS = {
@@ -38,7 +38,7 @@ def main():
                     sparse_gqa_decode_triton(*args, out=out, config=cfg)
 
                 try:
-                    us = time_us(run)
+                    us = graph_us(run)
                 except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported
                     print(f"T={num_rows} q_len={decode_query_len} {name}: failed ({type(exc).__name__})", flush=True)
                     continue

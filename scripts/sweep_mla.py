@@ -11,7 +11,7 @@ import argparse
 import torch
 
 from torch_sparse_mla.bench import mla
-from torch_sparse_mla.bench.common import time_us
+from torch_sparse_mla.bench.common import graph_us
 from torch_sparse_mla.ops.sparse_mla import sparse_mla_decode_triton
 
 VARIANTS = {
@@ -49,7 +49,7 @@ def main():
                 sparse_mla_decode_triton(*call_args, out=out, lse=lse, config=cfg)
 
             try:
-                us = time_us(run)
+                us = graph_us(run)
             except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported
                 print(f"{label} H={num_heads} T={num_tokens} {variant}: failed ({type(exc).__name__}: "
                       f"{str(exc)[:120]})", flush=True)

@@ -11,7 +11,7 @@ HAS_CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 requires_cuda = pytest.mark.skipif(
-    not HAS_CUDA, reason="needs a CUDA GPU: these run on the H200 through scripts/gpu_suite.sh"
+    not HAS_CUDA, reason="needs a CUDA GPU (on one, bash scripts/gpu_suite.sh runs the whole suite)"
 )
 requires_interpreter = pytest.mark.skipif(
     not INTERPRETER,

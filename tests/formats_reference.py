@@ -1,6 +1,6 @@
-"""Naive, independent reference of the KV cache formats of SPEC section 5 (one token at a time).
+"""Naive, independent reference of the KV cache formats of docs/formats.md (one token at a time).
 
-Shared by the KV-cache and sparse-MLA tests. It reads and writes bytes exactly as the SPEC's table lays
+Shared by the KV-cache and sparse-MLA tests. It reads and writes bytes exactly as that page lays
 them out, with Python-level loops and float64 where values are decoded, so it shares no code with the
 library's kernels.
 """

@@ -1,7 +1,7 @@
-"""KV cache operators (SPEC section 5): kv_cache_insert and kv_cache_gather in the three formats.
+"""KV cache operators (docs/operators.md): kv_cache_insert and kv_cache_gather in the three formats.
 
 Sections: schema snapshot, reference parity, Triton interpreter parity, opcheck, compile, errors, GPU.
-The reference is tests/formats_reference.py (one token at a time, bytes laid out by the SPEC's table).
+The reference is tests/formats_reference.py (one token at a time, bytes laid out as docs/formats.md draws them).
 Every insert test compares the cache's whole storage, page padding included, with the reference's.
 """
 
@@ -144,7 +144,7 @@ def test_insert_auto_any_dim_and_dtype(kv_dtype, cache_dtype):
 
 
 def test_insert_quantisation_edges():
-    """The scales the SPEC fixes for degenerate tiles, and saturation at 448 instead of NaN."""
+    """The scales the contract fixes for degenerate tiles, and saturation at 448 instead of NaN."""
     kv = make_kv(3, 576, F32, seed=0)
     c656 = ref.make_cache(1, 3, "fp8_656")
     tsm.kv_cache_insert(kv, torch.arange(3), c656, kv_format="fp8_656")

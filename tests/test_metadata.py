@@ -1,4 +1,4 @@
-"""Metadata operators (SPEC sections 1-4): compressed_slot_mapping, c128a_topk_indices,
+"""Metadata operators (docs/operators.md): compressed_slot_mapping, c128a_topk_indices,
 decode_runtime_metadata, swa_indices, compressed_topk_to_global.
 
 Sections: schema snapshot, reference parity, Triton interpreter parity, opcheck, compile, errors, GPU.
@@ -98,7 +98,7 @@ def ref_topk_to_global(local, token_to_req, block_table, slot_mapping, block_siz
 
 
 # =====================================================================================================
-# Inputs: a DeepSeek-V4-shaped batch with every edge case the SPEC names
+# Inputs: a DeepSeek-V4-shaped batch with every edge case the contract names
 # =====================================================================================================
 
 

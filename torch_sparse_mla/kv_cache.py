@@ -1,7 +1,7 @@
-"""Writing and reading the paged sparse-MLA KV cache (SPEC section 5).
+"""Writing and reading the paged sparse-MLA KV cache (contract: docs/operators.md, layouts: docs/formats.md).
 
 A cache holds one latent vector of ``D`` values per slot (``slot = page * page_size + row``) in one of
-three formats (byte layouts in ``docs/kv_cache.md``):
+three formats (byte layouts in ``docs/formats.md``):
 
 - ``"auto"``: ``[pages, page_size, D]`` of bfloat16, float16 or float32, stored as is;
 - ``"fp8_656"`` (DeepSeek-V3.2, D = 576): uint8 ``[pages, page_size, 656]``; dims 0-511 as e4m3 with

@@ -1,4 +1,4 @@
-"""Metadata operators of a sparse-attention decode step (SPEC sections 1-4).
+"""Metadata operators of a sparse-attention decode step (contract: docs/operators.md, "Metadata operators").
 
 Each function calls the registered operator ``torch.ops.sparse_mla.<name>``: the functional overload
 by default, the ``.out`` overload when output buffers are given (the form to use inside a captured

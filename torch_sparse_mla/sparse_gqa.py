@@ -1,4 +1,4 @@
-"""Sparse grouped-query decode over selected pages (SPEC section 7, MiniMax-M3 MSA)."""
+"""Sparse grouped-query decode over selected pages (MiniMax-M3; contract: docs/operators.md#sparse_gqa_decode)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Sparse MLA decode attention (SPEC section 6): DeepSeek-V3.2 / V4 style, one latent KV head."""
+"""Sparse MLA decode attention (contract: docs/operators.md#sparse_mla_decode): DeepSeek-V3.2 / V4 style, one
+latent KV head."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def sparse_mla_decode(
     Args:
         q: ``[T, H, D]`` bf16 or fp16, ``1 <= H <= 128``, any strides. ``D`` is the cache's dimension:
             576 for ``fp8_656``, 512 for ``fp8_584``, ``kv_cache.shape[-1]`` for ``auto``.
-        kv_cache: paged cache ``[pages, page_size, *]`` in ``kv_format`` (SPEC section 5): ``auto`` is
+        kv_cache: paged cache ``[pages, page_size, *]`` in ``kv_format`` (docs/formats.md): ``auto`` is
             a tensor of ``q.dtype`` with ``D`` values per slot; ``fp8_656`` / ``fp8_584`` are uint8
             with 656 / 584 bytes per slot. The page stride may be padded.
         indices: int32 ``[T, K]``, ``K >= 1``: slots (``page * page_size + offset``), -1 for empty.

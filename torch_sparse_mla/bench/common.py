@@ -1,95 +1,265 @@
-"""Benchmark harness: timing, roofline and the table written to ``docs/benchmarks.md``.
+"""Benchmark harness: timing, ceilings, roofline, tables and the roofline plot.
 
-A family's benchmark module (``bench/mla.py``, ``bench/gqa.py``) exposes ``cases(quick: bool)`` that
-yields :class:`Case` objects: two zero-argument callables (the library operator and the
-``torch.compile``d PyTorch reference, inputs already built on the GPU) plus the FLOPs and the unique
-bytes one call must move. The harness times both in the same run and reports the fraction of the
-roofline, ``max(flops / peak_flops, bytes / peak_bandwidth) / time``.
+A family's module (``bench/mla.py``, ``gqa.py``, ``metadata.py``, ``kv_cache.py``) exposes
+``cases(quick=False, device="cuda", smoke=False)`` yielding :class:`Case` objects: one call of the
+library operator and one call of the plain-PyTorch reference (``bench/baselines.py``, compiled with
+``fullgraph=True`` by :func:`compile_reference`) on the same inputs, with the FLOPs and the bytes one
+call must move. ``smoke=True`` shrinks every configuration so the factories can be exercised on a CPU
+(the test suite does, without timing).
+
+How a case is timed (``measure``):
+
+- **graph**: the operator's call captured in a CUDA graph (``calls_per_graph`` calls, 1 by default)
+  and replayed under ``triton.testing.do_bench`` (median; L2 is flushed before every replay). A
+  call that cannot be captured is an error: capture is the library's promise, so the harness stops
+  rather than time something else.
+- **eager**: back-to-back plain calls with one synchronisation at the end (median per call over a
+  few loops). Each call then costs ``max(host time, GPU time)``: where the host's launch cost
+  exceeds the kernel time, this column shows it. (``do_bench`` is not used here: the L2 flush it
+  issues before each call hides up to its own duration of host time.)
+- **ref graph**: the compiled reference captured and timed like the operator. A reference that
+  cannot be captured gets no time (and no ratio) and a note, never an eager time.
+- **roofline**: ``max(flops / peak_flops, bytes / peak_bandwidth) / graph time``, with the two
+  ceilings given on the command line or measured at start (:func:`measure_peaks`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import statistics
+import time
 from typing import Callable
 
 import torch
 
-# Ceilings measured on this workplace's H200 (device/KINDS.md): a large device-to-device copy moved
-# 4.3 TB/s (bytes read + written); an 8192^3 bf16 matmul ran at about 790 TFLOP/s on random data.
-PEAK_BYTES_PER_S = 4.3e12
-PEAK_BF16_FLOPS = 790e12
+#: torch.compile backend of the references; the CPU smoke test sets "eager" (Dynamo tracing with
+#: fullgraph=True, no code generation).
+REFERENCE_BACKEND = "inductor"
+
+
+def compile_reference(fn: Callable) -> Callable:
+    """The reference as a user would run it: ``torch.compile(fn, fullgraph=True)`` (static shapes)."""
+    return torch.compile(fn, fullgraph=True, dynamic=False, backend=REFERENCE_BACKEND)
 
 
 @dataclasses.dataclass
 class Case:
     name: str  # the configuration, e.g. "fp8_656 H=128 K=2048 T=256"
-    flops: float  # floating-point operations of one call
+    flops: float  # floating-point operations of one call (0 for index and copy operators)
     bytes: float  # fewest bytes one call must move through device memory
-    run: Callable[[], object]  # one call of the library operator
-    reference: Callable[[], object] | None  # one call of the compiled PyTorch reference
-    check: Callable[[], float] | None = None  # optional: relative error of run() vs reference()
+    run: Callable[[], object]  # one call of the library operator (inputs and outputs prebuilt)
+    reference: Callable[[], object] | None  # one call of the compiled plain-PyTorch reference
+    check: Callable[[], str] | None = None  # how far run() is from reference(): "rel 2.1e-03", "exact", ...
+    operator: str = ""  # the library operator timed
+    host_overhead: bool = False  # a T = 1 configuration: row of the host-overhead table
 
 
-def time_us(fn: Callable[[], object], use_graph: bool = True) -> float:
-    """Median microseconds of one call. With ``use_graph`` the call is captured in a CUDA graph
-    (10 calls per replay) so launch overhead does not hide the kernel time; falls back to plain
-    launches if capture fails."""
+@dataclasses.dataclass
+class Peaks:
+    flops: float  # FLOP/s (dense bf16 tensor-core)
+    bytes: float  # bytes/s (device memory, read + written)
+    how: str  # "given" or "measured: ..."
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> str:
+    got, want = got.float(), want.float()
+    return f"rel {((got - want).norm() / want.norm().clamp_min(1e-30)).item():.1e}"
+
+
+def mismatches(got, want) -> str:
+    """Element-wise comparison of tensors (or tuples of tensors) that should be identical."""
+    got = got if isinstance(got, (tuple, list)) else (got,)
+    want = want if isinstance(want, (tuple, list)) else (want,)
+    bad = sum(int((a != b).sum()) for a, b in zip(got, want))
+    return "exact" if bad == 0 else f"{bad} differ"
+
+
+# -- timing ---------------------------------------------------------------------------------------------
+
+
+class CaptureError(RuntimeError):
+    pass
+
+
+def graph_us(fn: Callable[[], object], calls: int = 1) -> float:
+    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls. Raises
+    :class:`CaptureError` when ``fn`` cannot be captured."""
     import triton.testing
 
-    fn()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):  # compiles Triton kernels and inductor code outside the capture
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
     torch.cuda.synchronize()
-    if use_graph:
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                fn()
+    except Exception as exc:  # noqa: BLE001 - re-raised with the reason
+        torch.cuda.synchronize()
+        raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
+    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    return ms * 1e3 / calls
+
+
+def eager_us(fn: Callable[[], object], calls: int = 200, loops: int = 5) -> float:
+    """Median microseconds per call of ``fn`` called ``calls`` times back to back (one
+    synchronisation per loop): ``max(host time, GPU time)`` per call."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    samples = []
+    for _ in range(loops):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        samples.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(samples)
+
+
+def measure_peaks(peak_tflops: float | None, peak_tbps: float | None) -> Peaks:
+    """The roofline's two ceilings: given (TFLOP/s, TB/s), or measured on this GPU: a 1 GiB
+    device-to-device copy (bytes read + written per second) and an 8192^3 bf16 matmul."""
+    import triton.testing
+
+    how = []
+    if peak_tbps is None:
+        n = 1 << 30
+        src = torch.empty(n, dtype=torch.uint8, device="cuda")
+        dst = torch.empty_like(src)
+        ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=100, return_mode="median")
+        peak_tbps = 2 * n / (ms * 1e-3) / 1e12
+        how.append("1 GiB device copy")
+        del src, dst
+    if peak_tflops is None:
+        n = 8192
+        a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+        ms = triton.testing.do_bench(lambda: a @ b, warmup=10, rep=100, return_mode="median")
+        peak_tflops = 2 * n**3 / (ms * 1e-3) / 1e12
+        how.append("8192^3 bf16 matmul")
+        del a, b
+    torch.cuda.empty_cache()
+    return Peaks(peak_tflops * 1e12, peak_tbps * 1e12, ("measured: " + ", ".join(how)) if how else "given")
+
+
+def measure(case: Case, peaks: Peaks, calls_per_graph: int = 1) -> dict:
+    try:
+        us = graph_us(case.run, calls_per_graph)
+    except CaptureError as exc:
+        raise CaptureError(f"{case.name}: the library operator could not be captured in a CUDA graph "
+                           f"({exc})") from exc
+    row = {"config": case.name, "operator": case.operator, "us": us, "eager_us": eager_us(case.run),
+           "host_overhead": case.host_overhead, "flops": case.flops, "bytes": case.bytes}
+    note = ""
+    ref_us = float("nan")
+    if case.reference is not None:
         try:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    fn()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            reps = 10
-            with torch.cuda.graph(graph):
-                for _ in range(reps):
-                    fn()
-            ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
-            return ms * 1e3 / reps
-        except Exception:  # noqa: BLE001 - a reference that cannot be captured is timed plainly
-            torch.cuda.synchronize()
-    ms = triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median")
-    return ms * 1e3
-
-
-def measure(case: Case) -> dict:
-    us = time_us(case.run)
-    ref_us = time_us(case.reference) if case.reference is not None else float("nan")
-    floor_s = max(case.flops / PEAK_BF16_FLOPS, case.bytes / PEAK_BYTES_PER_S)
-    row = {
-        "config": case.name,
-        "us": us,
+            ref_us = graph_us(case.reference, calls_per_graph)
+        except CaptureError as exc:
+            note = f"reference not captured ({str(exc).split(':')[0]})"
+    compute_s, memory_s = case.flops / peaks.flops, case.bytes / peaks.bytes
+    row.update({
         "TFLOP/s": case.flops / (us * 1e-6) / 1e12,
         "GB/s": case.bytes / (us * 1e-6) / 1e9,
-        "roofline": floor_s / (us * 1e-6),
-        "bound": "compute" if case.flops / PEAK_BF16_FLOPS > case.bytes / PEAK_BYTES_PER_S else "memory",
+        "roofline": max(compute_s, memory_s) / (us * 1e-6),
+        "bound": "compute" if compute_s > memory_s else "memory",
         "ref_us": ref_us,
-        "speedup": ref_us / us,
-    }
-    if case.check is not None:
-        row["rel_err"] = case.check()
+        "ratio": ref_us / us,
+        "check": case.check() if case.check is not None else "",
+        "note": note,
+    })
     return row
 
 
+# -- output -----------------------------------------------------------------------------------------------
+
+COLUMNS = [  # (key, header, format)
+    ("config", "config", "{}"),
+    ("us", "graph µs", "{:.1f}"),
+    ("eager_us", "eager µs", "{:.1f}"),
+    ("ref_us", "ref graph µs", "{:.1f}"),
+    ("ratio", "ref / ours", "{:.2f}x"),
+    ("TFLOP/s", "TFLOP/s", "{:.1f}"),
+    ("GB/s", "GB/s", "{:.0f}"),
+    ("roofline", "roofline", "{:.0%}"),
+    ("bound", "bound", "{}"),
+    ("check", "vs ref", "{}"),
+    ("note", "note", "{}"),
+]
+
+
+def _cell(row: dict, key: str, fmt: str) -> str:
+    value = row.get(key, "")
+    if isinstance(value, float) and value != value:  # NaN
+        return "–"
+    return fmt.format(value) if value != "" else ""
+
+
 def format_table(rows: list[dict]) -> str:
-    cols = ["config", "us", "TFLOP/s", "GB/s", "roofline", "bound", "ref_us", "speedup"]
-    if any("rel_err" in r for r in rows):
-        cols.append("rel_err")
-    fmt = {
-        "us": "{:.1f}", "TFLOP/s": "{:.1f}", "GB/s": "{:.0f}", "roofline": "{:.0%}",
-        "ref_us": "{:.1f}", "speedup": "{:.2f}x", "rel_err": "{:.1e}",
-    }
-    head = "| " + " | ".join(cols) + " |"
-    sep = "|" + "|".join("---" for _ in cols) + "|"
-    lines = [head, sep]
+    cols = [c for c in COLUMNS if c[0] != "note" or any(r.get("note") for r in rows)]
+    lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
-        cells = [fmt.get(c, "{}").format(r[c]) if c in r else "" for c in cols]
-        lines.append("| " + " | ".join(cells) + " |")
+        lines.append("| " + " | ".join(_cell(r, k, f) for k, _, f in cols) + " |")
     return "\n".join(lines)
+
+
+def format_host_overhead(rows: list[dict]) -> str:
+    """Per operator at T = 1: eager time, graph time and their difference (the host's cost of one
+    call when nothing hides it)."""
+    lines = ["| operator | config | eager µs | graph µs | host cost µs |", "|---|---|---|---|---|"]
+    for r in rows:
+        if r.get("host_overhead"):
+            lines.append(f"| `{r['operator']}` | {r['config']} | {r['eager_us']:.1f} | {r['us']:.1f} | "
+                         f"{r['eager_us'] - r['us']:.1f} |")
+    return "\n".join(lines)
+
+
+def plot_roofline(rows: list[dict], peaks: Peaks, path: str, title: str) -> str:
+    """A PNG next to the table: left, achieved TFLOP/s against arithmetic intensity under the two
+    ceilings (configurations with FLOPs); right, every configuration's fraction of its roofline with
+    its GB/s. Returns a message (the plot is skipped when matplotlib is missing)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "roofline plot skipped: matplotlib is not installed (pip install matplotlib)"
+    fig, (left, right) = plt.subplots(1, 2, figsize=(16, max(6, 0.28 * len(rows) + 2)),
+                                      gridspec_kw={"width_ratios": [1, 1.3]})
+    ridge = peaks.flops / peaks.bytes
+    xs = [r["flops"] / r["bytes"] for r in rows if r["flops"] > 0]
+    lo, hi = min(xs + [ridge]) / 4, max(xs + [ridge]) * 4
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    left.plot(grid, [min(peaks.flops, x * peaks.bytes) / 1e12 for x in grid], color="black", lw=1.5,
+              label=f"ceilings: {peaks.bytes / 1e12:.1f} TB/s, {peaks.flops / 1e12:.0f} TFLOP/s")
+    for r in rows:
+        if r["flops"] > 0:
+            left.scatter(r["flops"] / r["bytes"], r["TFLOP/s"], s=25)
+            left.annotate(r["config"], (r["flops"] / r["bytes"], r["TFLOP/s"]), fontsize=6,
+                          xytext=(3, 3), textcoords="offset points")
+    left.set_xscale("log")
+    left.set_yscale("log")
+    left.set_xlabel("arithmetic intensity (FLOP / byte)")
+    left.set_ylabel("achieved TFLOP/s")
+    left.set_title("attention operators against the roofline")
+    left.legend(loc="lower right", fontsize=8)
+    names = [f"{r['operator']}: {r['config']}" for r in rows]
+    right.barh(range(len(rows)), [100 * r["roofline"] for r in rows], color="tab:blue")
+    for i, r in enumerate(rows):
+        right.text(100 * r["roofline"] + 1, i, f"{r['GB/s']:.0f} GB/s, {r['TFLOP/s']:.1f} TFLOP/s", va="center",
+                   fontsize=6)
+    right.set_yticks(range(len(rows)), names, fontsize=6)
+    right.invert_yaxis()
+    right.set_xlim(0, 115)
+    right.set_xlabel("% of roofline (the larger of the compute and memory floors / time)")
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=130)
+    plt.close(fig)
+    return f"roofline plot written to {path}"

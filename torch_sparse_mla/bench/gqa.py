@@ -17,7 +17,7 @@ from typing import Iterator
 import torch
 
 from torch_sparse_mla import decode_runtime_metadata, sparse_gqa_decode
-from torch_sparse_mla.bench.common import Case
+from torch_sparse_mla.bench.common import Case, compile_reference, rel_err
 from torch_sparse_mla.ops.sparse_gqa import sparse_gqa_decode_dense
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, N_SEL = 64, 4, 128, 128, 16
@@ -25,25 +25,26 @@ CONTEXT_PAGES = 32  # pages per request: contexts of up to 4096 tokens
 ROWS = (1, 16, 64, 256)
 QUICK_ROWS = (1, 64)
 QUERY_LENS = (1, 4)
+SMOKE_ROWS = (4,)  # smoke=True: tiny configurations (with SMOKE_CONTEXT_PAGES pages per request)
+SMOKE_CONTEXT_PAGES = 4
 
-_reference = torch.compile(sparse_gqa_decode_dense, dynamic=False, fullgraph=True)
 
-
-def _inputs(num_rows: int, decode_query_len: int, seed: int, device: str):
+def _inputs(num_rows: int, decode_query_len: int, seed: int, device: str, context_pages: int = CONTEXT_PAGES,
+            n_sel: int = N_SEL):
     """Arguments in schema order and the number of visible keys over all (row, KV head)."""
     gen = torch.Generator().manual_seed(seed)
     batch = num_rows // decode_query_len
-    num_pages = batch * CONTEXT_PAGES
-    seq_lens = torch.randint(N_SEL * PAGE_SIZE, CONTEXT_PAGES * PAGE_SIZE + 1, (batch,), generator=gen,
+    num_pages = batch * context_pages
+    seq_lens = torch.randint(n_sel * PAGE_SIZE, context_pages * PAGE_SIZE + 1, (batch,), generator=gen,
                              dtype=torch.int32)
-    block_table = torch.randperm(num_pages, generator=gen).view(batch, CONTEXT_PAGES).to(torch.int32)
+    block_table = torch.randperm(num_pages, generator=gen).view(batch, context_pages).to(torch.int32)
     # Each (row, KV head) selects its request's last page (the local window) and 15 other distinct pages.
     req = torch.arange(num_rows) // decode_query_len
     last = (seq_lens.to(torch.int64) - 1) // PAGE_SIZE
-    cols = torch.arange(CONTEXT_PAGES)
+    cols = torch.arange(context_pages)
     rank = (cols[None, :] > last[req][:, None]).float() * 2 - (cols[None, :] == last[req][:, None]).float() * 2
-    priority = torch.rand(num_rows, HKV, CONTEXT_PAGES, generator=gen) + rank[:, None, :]
-    topk_pages = priority.argsort(-1)[..., :N_SEL].to(torch.int32)
+    priority = torch.rand(num_rows, HKV, context_pages, generator=gen) + rank[:, None, :]
+    topk_pages = priority.argsort(-1)[..., :n_sel].to(torch.int32)
     kv_lens, qo = decode_runtime_metadata(seq_lens, decode_query_len=decode_query_len)
     limit = torch.minimum(qo + 1, kv_lens).to(torch.int64)
     keys = (limit[:, None, None] - topk_pages.to(torch.int64) * PAGE_SIZE).clamp(0, PAGE_SIZE).sum().item()
@@ -58,14 +59,16 @@ def _inputs(num_rows: int, decode_query_len: int, seed: int, device: str):
     return args, keys
 
 
-def cases(quick: bool = False, device: str = "cuda") -> Iterator[Case]:
-    """The benchmark configurations (``device="cpu"`` only to smoke-test them without a GPU)."""
+def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Iterator[Case]:
+    """The benchmark configurations (``device="cpu", smoke=True``: tiny ones, to exercise the
+    factory without a GPU)."""
+    context_pages, n_sel = (SMOKE_CONTEXT_PAGES, 2) if smoke else (CONTEXT_PAGES, N_SEL)
     for decode_query_len in QUERY_LENS:
-        for num_rows in QUICK_ROWS if quick else ROWS:
+        for num_rows in SMOKE_ROWS if smoke else QUICK_ROWS if quick else ROWS:
             if num_rows % decode_query_len:
                 continue
             args, keys = _inputs(num_rows, decode_query_len, seed=num_rows * 10 + decode_query_len,
-                                 device=device)
+                                 device=device, context_pages=context_pages, n_sel=n_sel)
             q, kv_cache, topk_pages, block_table, kv_lens, qo, dql, scale, q_scale, k_scale, v_scale = args
             out = torch.empty_like(q)
 
@@ -75,22 +78,23 @@ def cases(quick: bool = False, device: str = "cuda") -> Iterator[Case]:
                                          softmax_scale=scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
                                          out=out)
 
-            def reference(args=args):
-                return _reference(*args)
+            reference_fn = compile_reference(sparse_gqa_decode_dense)
 
-            reference()  # compile outside the timed calls
+            def reference(args=args, reference_fn=reference_fn):
+                return reference_fn(*args)
 
             def check(run=run, reference=reference):
-                got, want = run().float(), reference()
-                return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+                return rel_err(run(), reference())
 
-            row_bytes = HQ * HEAD_DIM * 2 * 2 + HKV * N_SEL * 4 + 8  # q and out (bf16), page lists, lengths
+            row_bytes = HQ * HEAD_DIM * 2 * 2 + HKV * n_sel * 4 + 8  # q and out (bf16), page lists, lengths
             yield Case(
-                name=f"fp8 kv bf16 q Hq={HQ} Hkv={HKV} D={HEAD_DIM} page={PAGE_SIZE} sel={N_SEL} "
+                name=f"fp8 kv bf16 q Hq={HQ} Hkv={HKV} D={HEAD_DIM} page={PAGE_SIZE} sel={n_sel} "
                      f"T={num_rows} q_len={decode_query_len}",
                 flops=4.0 * (HQ // HKV) * HEAD_DIM * keys,
                 bytes=float(keys * 2 * HEAD_DIM * kv_cache.element_size() + num_rows * row_bytes),
                 run=run,
                 reference=reference,
                 check=check,
+                operator="sparse_gqa_decode",
+                host_overhead=num_rows == 1,
             )

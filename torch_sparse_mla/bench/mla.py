@@ -8,8 +8,9 @@ pages are padded to a multiple of 576 bytes as the model lays them out.
 
 FLOPs: ``T * 2 * H * K_total * (D + 512)`` (QK^T over the D = 576 / 512 query dims, PV over 512).
 Bytes: the distinct cache slots read (times the bytes per token of the format), q, out, lse and the
-index lists. The reference is the library's own gather-dequantise-softmax PyTorch expression
-(``sparse_mla_decode_dense``) compiled with ``torch.compile``, reading the same cache bytes.
+index lists. The reference is what a user writes without the library (``baselines.mla_fp8_656``,
+``mla_fp8_584_two_caches``, ``mla_bf16``: gather, dequantise, bf16 bmm, fp32 softmax, bmm), compiled
+with ``fullgraph=True`` and timed like the operator.
 """
 
 from __future__ import annotations
@@ -19,25 +20,40 @@ from typing import Iterator
 import torch
 
 from torch_sparse_mla import sparse_mla_decode
-from torch_sparse_mla.bench.common import Case
+from torch_sparse_mla.bench import baselines
+from torch_sparse_mla.bench.common import Case, compile_reference, rel_err
 from torch_sparse_mla.meta_kernels._formats import bytes_per_token, cache_dim
-from torch_sparse_mla.ops.sparse_mla import sparse_mla_decode_dense
 
 PAGE_SIZE = 64
 CONTEXT = 8192  # slots per request (token); K of them are selected
 WINDOW = 128  # DeepSeek-V4 sliding window (main list of fp8_584)
 
-# (name, kv_format, H, K main, K extra, T)
+# (name, kv_format, H, K main, K extra, T): the configurations of the speed targets
 CONFIGS = [
     ("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 256),
-    ("V4 fp8_584 window+compressed", "fp8_584", 64, WINDOW, 512, 128),
-    ("V3.2 fp8_656", "fp8_656", 16, 2048, 0, 128),
-    ("auto bf16 D=576", "auto", 128, 2048, 0, 128),
+    ("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 128),
+    ("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 64),
     ("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 4),
+    ("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 1),
+    ("V3.2 fp8_656", "fp8_656", 64, 2048, 0, 128),
+    ("V3.2 fp8_656", "fp8_656", 16, 2048, 0, 128),
+    ("V4 fp8_584 window+compressed", "fp8_584", 64, WINDOW, 512, 128),
+    ("bf16 cache D=576", "auto", 128, 2048, 0, 64),
 ]
-QUICK = (0, 4)  # indices into CONFIGS
+QUICK = (0, 4, 7, 8)  # indices into CONFIGS
+SMOKE_CONTEXT, SMOKE_K, SMOKE_T = 64, 16, 2  # smoke=True: every configuration, tiny
 
-_reference = torch.compile(sparse_mla_decode_dense, dynamic=False, fullgraph=True)
+
+def _reference_for(kv_format: str, kwargs: dict):
+    """The plain-PyTorch computation of the case (compiled) and its arguments."""
+    if kv_format == "fp8_656":
+        fn, args = baselines.mla_fp8_656, (kwargs["q"], kwargs["kv_cache"], kwargs["indices"])
+    elif kv_format == "auto":
+        fn, args = baselines.mla_bf16, (kwargs["q"], kwargs["kv_cache"], kwargs["indices"])
+    else:
+        fn, args = baselines.mla_fp8_584_two_caches, (kwargs["q"], kwargs["kv_cache"], kwargs["indices"],
+                                                      kwargs["extra_kv_cache"], kwargs["extra_indices"])
+    return compile_reference(fn), args + (kwargs["softmax_scale"],)
 
 
 def _cache(kv_format: str, num_slots: int, gen: torch.Generator, device: str) -> torch.Tensor:
@@ -66,16 +82,17 @@ def _cache(kv_format: str, num_slots: int, gen: torch.Generator, device: str) ->
     return torch.as_strided(flat, (pages, PAGE_SIZE, 584), (page_bytes, 584, 1))
 
 
-def _random_lists(num_tokens: int, k: int, gen: torch.Generator, device: str) -> torch.Tensor:
-    """int32 ``[T, k]``: ``k`` distinct random slots of each token's own ``CONTEXT``-slot request."""
-    picks = torch.rand(num_tokens, CONTEXT, generator=gen, device=device).topk(k, dim=1).indices
-    base = torch.arange(num_tokens, device=device)[:, None] * CONTEXT
+def _random_lists(num_tokens: int, k: int, context: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    """int32 ``[T, k]``: ``k`` distinct random slots of each token's own ``context``-slot request."""
+    picks = torch.rand(num_tokens, context, generator=gen, device=device).topk(k, dim=1).indices
+    base = torch.arange(num_tokens, device=device)[:, None] * context
     return (base + picks).to(torch.int32)
 
 
-def _inputs(kv_format: str, num_heads: int, k: int, k_extra: int, num_tokens: int, device: str) -> dict:
+def _inputs(kv_format: str, num_heads: int, k: int, k_extra: int, num_tokens: int, device: str,
+            context: int = CONTEXT) -> dict:
     gen = torch.Generator(device=device).manual_seed(num_tokens * 1000 + num_heads + k)
-    num_slots = num_tokens * CONTEXT
+    num_slots = num_tokens * context
     cache = _cache(kv_format, num_slots, gen, device)
     dim = cache_dim(cache, kv_format)
     q = torch.randn(num_tokens, num_heads, dim, generator=gen, device=device).to(torch.bfloat16)
@@ -83,16 +100,17 @@ def _inputs(kv_format: str, num_heads: int, k: int, k_extra: int, num_tokens: in
     if k_extra:
         # Sliding window: the token's last WINDOW slots, in order; compressed entries: random in a cache
         # of CONTEXT / 4 entries per request.
-        ends = torch.randint(WINDOW, CONTEXT + 1, (num_tokens, 1), generator=gen, device=device)
-        base = torch.arange(num_tokens, device=device)[:, None] * CONTEXT
-        kwargs["indices"] = (base + ends - WINDOW + torch.arange(WINDOW, device=device)).to(torch.int32)
+        window = k
+        ends = torch.randint(window, context + 1, (num_tokens, 1), generator=gen, device=device)
+        base = torch.arange(num_tokens, device=device)[:, None] * context
+        kwargs["indices"] = (base + ends - window + torch.arange(window, device=device)).to(torch.int32)
         extra_cache = _cache(kv_format, num_slots // 4, gen, device)
-        picks = torch.rand(num_tokens, CONTEXT // 4, generator=gen, device=device).topk(k_extra, dim=1).indices
+        picks = torch.rand(num_tokens, context // 4, generator=gen, device=device).topk(k_extra, dim=1).indices
         kwargs["extra_kv_cache"] = extra_cache
-        kwargs["extra_indices"] = (torch.arange(num_tokens, device=device)[:, None] * (CONTEXT // 4)
+        kwargs["extra_indices"] = (torch.arange(num_tokens, device=device)[:, None] * (context // 4)
                                    + picks).to(torch.int32)
     else:
-        kwargs["indices"] = _random_lists(num_tokens, k, gen, device)
+        kwargs["indices"] = _random_lists(num_tokens, k, context, gen, device)
     return kwargs
 
 
@@ -109,12 +127,16 @@ def _moved_bytes(kwargs: dict, out: torch.Tensor, lse: torch.Tensor) -> float:
     return total
 
 
-def cases(quick: bool = False, device: str = "cuda") -> Iterator[Case]:
-    """The benchmark configurations (``device="cpu"`` only to smoke-test them without a GPU)."""
+def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Iterator[Case]:
+    """The benchmark configurations (``device="cpu", smoke=True``: all of them, tiny, to exercise
+    the factory without a GPU)."""
     for i, (label, kv_format, num_heads, k, k_extra, num_tokens) in enumerate(CONFIGS):
         if quick and i not in QUICK:
             continue
-        kwargs = _inputs(kv_format, num_heads, k, k_extra, num_tokens, device)
+        context = CONTEXT
+        if smoke:
+            context, k, k_extra, num_tokens = SMOKE_CONTEXT, min(k, SMOKE_K), min(k_extra, SMOKE_K), SMOKE_T
+        kwargs = _inputs(kv_format, num_heads, k, k_extra, num_tokens, device, context)
         dim = kwargs["q"].shape[-1]
         out = torch.empty(num_tokens, num_heads, 512, dtype=torch.bfloat16, device=device)
         lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device=device)
@@ -122,31 +144,21 @@ def cases(quick: bool = False, device: str = "cuda") -> Iterator[Case]:
         def run(kwargs=kwargs, out=out, lse=lse):
             return sparse_mla_decode(**kwargs, out=(out, lse))
 
-        ref_args = tuple(kwargs.get(name) for name in (
-            "q", "kv_cache", "indices", "softmax_scale", "kv_format", "head_dim_v", "topk_length", "attn_sink",
-            "extra_kv_cache", "extra_indices", "extra_topk_length"))
+        reference_fn, ref_args = _reference_for(kv_format, kwargs)
 
-        reference_fn = _reference
-        try:
-            reference_fn(*ref_args)  # compile outside the timed calls
-        except Exception as exc:  # noqa: BLE001 - an inductor failure must not hide the kernel's numbers
-            print(f"bench mla: torch.compile of the reference failed ({type(exc).__name__}); timing it eagerly")
-            reference_fn = sparse_mla_decode_dense
-            label += " (eager reference)"
-
-        def reference(ref_args=ref_args, reference_fn=reference_fn):
+        def reference(reference_fn=reference_fn, ref_args=ref_args):
             return reference_fn(*ref_args)
 
         def check(run=run, reference=reference):
-            got, want = run()[0].float(), reference()[0]
-            return ((got - want).norm() / want.norm().clamp_min(1e-30)).item()
+            return rel_err(run()[0], reference())
 
-        k_total = k + k_extra
         yield Case(
             name=f"{label} H={num_heads} K={k}{f'+{k_extra}' if k_extra else ''} T={num_tokens}",
-            flops=float(num_tokens) * 2 * num_heads * k_total * (dim + 512),
+            flops=float(num_tokens) * 2 * num_heads * (k + k_extra) * (dim + 512),
             bytes=_moved_bytes(kwargs, out, lse),
             run=run,
             reference=reference,
             check=check,
+            operator="sparse_mla_decode",
+            host_overhead=num_tokens == 1,
         )

@@ -1,0 +1,112 @@
+"""The benchmark's case factories and output helpers, exercised on a CPU (no timing: tests never
+assert speed). Every family's ``cases(device="cpu", smoke=True)`` must build its inputs, run the
+library operator and its plain-PyTorch reference (traced with fullgraph=True through AOT autograd,
+the compile path without code generation) and agree with it; the tables and the roofline plot must
+render from a row of every kind."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from torch_sparse_mla.bench import common
+
+FAMILIES = ("mla", "gqa", "metadata", "kv_cache")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cases_smoke(family, monkeypatch):
+    monkeypatch.setattr(common, "REFERENCE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    module = importlib.import_module(f"torch_sparse_mla.bench.{family}")
+    cases = list(module.cases(device="cpu", smoke=True))
+    assert cases, f"{family}: no configuration"
+    operators = set()
+    for case in cases:
+        assert case.bytes > 0 and case.flops >= 0 and case.operator, case.name
+        assert case.reference is not None, f"{case.name}: every case has a plain-PyTorch reference"
+        result = case.check()
+        if result.startswith("rel "):
+            assert float(result.split()[1]) < 2e-2, f"{case.name}: {result}"
+        else:
+            assert result == "exact", f"{case.name}: {result}"
+        operators.add(case.operator)
+    expected = {"mla": {"sparse_mla_decode"}, "gqa": {"sparse_gqa_decode"},
+                "metadata": {"swa_indices", "compressed_slot_mapping", "c128a_topk_indices",
+                             "compressed_topk_to_global", "decode_runtime_metadata"},
+                "kv_cache": {"kv_cache_insert", "kv_cache_gather"}}[family]
+    assert expected <= operators
+
+
+def test_full_configurations_cover_the_targets():
+    """The MLA benchmark times every configuration of the speed targets."""
+    from torch_sparse_mla.bench import mla
+
+    configs = {(fmt, h, k, k2, t) for _, fmt, h, k, k2, t in mla.CONFIGS}
+    assert {("fp8_656", 128, 2048, 0, t) for t in (256, 128, 64, 4, 1)} <= configs
+    assert {("fp8_656", 64, 2048, 0, 128), ("fp8_656", 16, 2048, 0, 128), ("fp8_584", 64, 128, 512, 128),
+            ("auto", 128, 2048, 0, 64)} <= configs
+
+
+def _row(name, operator, flops, nbytes, us, eager, host=False):
+    peaks = common.Peaks(800e12, 4e12, "given")
+    return {"config": name, "operator": operator, "us": us, "eager_us": eager, "host_overhead": host,
+            "flops": flops, "bytes": nbytes, "TFLOP/s": flops / us / 1e6, "GB/s": nbytes / us / 1e3,
+            "roofline": max(flops / peaks.flops, nbytes / peaks.bytes) / (us * 1e-6), "bound": "memory",
+            "ref_us": 2 * us, "ratio": 2.0, "check": "exact", "note": ""}
+
+
+def test_tables_and_plot(tmp_path):
+    rows = [_row("fp8_656 H=128 K=2048 T=1", "sparse_mla_decode", 6.0e8, 2.0e6, 20.0, 150.0, host=True),
+            _row("swa_indices T=1", "swa_indices", 0.0, 600.0, 3.0, 14.0, host=True),
+            _row("insert fp8_584 N=4096", "kv_cache_insert", 0.0, 6.6e6, 4.0, 9.0)]
+    table = common.format_table(rows)
+    assert table.splitlines()[0].startswith("| config | graph µs | eager µs | ref graph µs | ref / ours")
+    assert len(table.splitlines()) == 2 + len(rows)
+    overhead = common.format_host_overhead(rows)
+    assert "| `sparse_mla_decode` | fp8_656 H=128 K=2048 T=1 | 150.0 | 20.0 | 130.0 |" in overhead
+    assert "insert" not in overhead, "only T = 1 rows"
+    path = tmp_path / "bench.png"
+    message = common.plot_roofline(rows, common.Peaks(800e12, 4e12, "given"), str(path), "test")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "skipped" in message and not path.exists()
+    else:
+        assert path.stat().st_size > 0
+
+
+def test_bench_needs_a_gpu(capsys):
+    from torch_sparse_mla.bench.__main__ import main
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the benchmark would run")
+    assert main(["metadata"]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
+    """The command's whole flow on a CPU, with the GPU timers replaced by constants: every family's
+    table, the host-overhead table and the header reach the output file."""
+    import functools
+
+    from torch_sparse_mla.bench import __main__ as cli
+
+    monkeypatch.setattr(common, "REFERENCE_BACKEND", "aot_eager")
+    monkeypatch.setattr(common, "graph_us", lambda fn, calls=1: (fn(), 10.0)[1])
+    monkeypatch.setattr(common, "eager_us", lambda fn: (fn(), 25.0)[1])
+    monkeypatch.setattr(cli, "_gpu", lambda: "test device")
+    for family in FAMILIES:
+        module = importlib.import_module(f"torch_sparse_mla.bench.{family}")
+        monkeypatch.setattr(module, "cases", functools.partial(module.cases, device="cpu", smoke=True))
+    out = tmp_path / "bench.md"
+    assert cli.main(["all", "--out", str(out), "--peak-tflops", "100", "--peak-tbps", "1"]) == 0
+    text = out.read_text()
+    assert text.startswith("date ") and "GPU test device" in text and "(given)" in text
+    for title in cli.TITLES.values():
+        assert f"### {title}" in text
+    assert "### Host overhead (T = 1)" in text
+    assert "| config | graph µs | eager µs |" in text
+    assert "plot" in capsys.readouterr().out
