@@ -68,3 +68,31 @@ def check_unit_stride(name: str, t: torch.Tensor) -> None:
     """The last dimension must be dense (kernels vectorise along it)."""
     if t.dim() > 0 and t.shape[-1] != 1:
         expect(t.stride(-1) == 1, lambda: f"{name}: expected stride(-1) == 1, got strides {tuple(t.stride())}")
+
+
+def memory_extent(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def check_no_overlap(spans) -> None:
+    """``ValueError`` when a written tensor overlaps the memory of another argument of the same call.
+
+    ``spans``: ``(name, start, extent, written)`` per tensor argument (``start = data_ptr()``,
+    ``extent`` from :func:`memory_extent`). Reads may overlap each other; a written tensor (an output
+    buffer, or the cache ``kv_cache_insert`` writes) may overlap nothing: the kernels read their
+    inputs while they write, and partial results would be read back. Needs data pointers, so it runs
+    in the real implementations only, on every call (never cached: the same shapes can come with
+    other addresses).
+    """
+    for i, (name, start, extent, written) in enumerate(spans):
+        if not written:
+            continue
+        for j, (other, o_start, o_extent, o_written) in enumerate(spans):
+            if j != i and start < o_start + o_extent and o_start < start + extent:
+                what = "output" if o_written else "input"
+                raise ValueError(f"{name}: overlaps the memory of {what} {other}; an output buffer must not alias "
+                                 f"another argument of the call (pass a separate buffer)")

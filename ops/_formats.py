@@ -127,6 +127,9 @@ def load_kv_cols(
 ):
     """float32 ``[BLOCK_N, CHUNK]``: dims ``COL0 + j`` of each slot, 0 for invalid rows and for dims
     ``>= COL_END``. ``load_kv_tile`` is this with ``COL_END`` = the format's D."""
+    stride_page = tl.cast(stride_page, tl.int64)  # the offset rule (ops/_launch.py)
+    stride_row = tl.cast(stride_row, tl.int64)
+    page_size = tl.cast(page_size, tl.int64)  # page_size * 576 passes 2**31 for large fp8_584 pages
     cols = COL0 + tl.arange(0, CHUNK)
     slot = tl.where(valid, slots, 0).to(tl.int64)
     page = slot // page_size
@@ -211,6 +214,8 @@ def load_fp8_656_raw(
     With ``load_fp8_656_scales``, ``raw * scale[:, None]`` is the dequantised tile; keeping them apart
     lets a caller run exact products on the raw values (e4m3 is exact in bf16 and fp16) and apply the
     scale afterwards in float32."""
+    stride_page = tl.cast(stride_page, tl.int64)  # the offset rule (ops/_launch.py)
+    page_size = tl.cast(page_size, tl.int64)
     cols = GROUP * 128 + tl.arange(0, 128)
     slot = tl.where(valid, slots, 0).to(tl.int64)
     page = slot // page_size
@@ -223,6 +228,8 @@ def load_fp8_656_raw(
 def load_fp8_656_scales(cache_ptr, stride_page, page_size, slots, valid):
     """The four float32 scales ``[BLOCK_N]`` of each row (0 for invalid rows), from one 16-byte load
     per row (a single vector load when the page stride is a multiple of 16)."""
+    stride_page = tl.cast(stride_page, tl.int64)  # the offset rule (ops/_launch.py)
+    page_size = tl.cast(page_size, tl.int64)
     slot = tl.where(valid, slots, 0).to(tl.int64)
     page = slot // page_size
     row_base = page * stride_page + (slot - page * page_size) * 656

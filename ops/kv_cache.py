@@ -211,6 +211,12 @@ def _kv_cache_insert_kernel(
     TILES_P2: tl.constexpr = 4 if KV_FORMAT == 1 else 8
     FP8_DIMS: tl.constexpr = NUM_TILES * TILE
     ROW_BYTES: tl.constexpr = 656 if KV_FORMAT == 1 else 576  # bytes of a token's data row
+    stride_kv_n = tl.cast(stride_kv_n, tl.int64)  # the offset rule (ops/_launch.py)
+    stride_kv_d = tl.cast(stride_kv_d, tl.int64)
+    stride_slot = tl.cast(stride_slot, tl.int64)
+    stride_page = tl.cast(stride_page, tl.int64)
+    stride_row = tl.cast(stride_row, tl.int64)
+    page_size = tl.cast(page_size, tl.int64)  # page_size * 576 passes 2**31 for large fp8_584 pages
     # One program per token: a record is a few hundred bytes, written once.
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i * stride_slot)
@@ -291,6 +297,9 @@ def _kv_cache_gather_kernel(
     STORE_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # slots per program
 ):
+    stride_slots = tl.cast(stride_slots, tl.int64)  # the offset rule (ops/_launch.py); load_kv_cols
+    stride_out_n = tl.cast(stride_out_n, tl.int64)  # widens the cache's strides itself
+    stride_out_d = tl.cast(stride_out_d, tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < n
     slot = tl.load(slots_ptr + rows * stride_slots, mask=live, other=-1).to(tl.int64)

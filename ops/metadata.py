@@ -142,6 +142,9 @@ def _lookup_slots(
 ):
     """int64 slot of ``entry`` through row ``req`` of the block table, -1 where empty; never reads out
     of bounds (the load is masked by the same conditions)."""
+    stride_bt_r = tl.cast(stride_bt_r, tl.int64)
+    stride_bt_c = tl.cast(stride_bt_c, tl.int64)
+    block_size = tl.cast(block_size, tl.int64)
     entry_safe = tl.maximum(entry, 0)
     col = entry_safe // block_size
     ok = valid & (entry >= 0) & (col < max_blocks) & (req >= 0) & (req < num_req)
@@ -160,6 +163,9 @@ def _compressed_slot_mapping_kernel(
     search_steps,  # bit length of R: enough binary-search iterations for R requests
     BLOCK: tl.constexpr,
 ):
+    stride_qsl = tl.cast(stride_qsl, tl.int64)
+    stride_sl = tl.cast(stride_sl, tl.int64)
+    stride_out = tl.cast(stride_out, tl.int64)
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < num_out
     # Largest r in [0, R) with query_start_loc[r] <= j: every output element finds its request by
@@ -215,6 +221,14 @@ def _c128a_topk_indices_kernel(
     num_decode, num_req, max_blocks, compress_ratio, block_size, width,
     BLOCK: tl.constexpr,
 ):
+    stride_pos = tl.cast(stride_pos, tl.int64)
+    stride_ttr = tl.cast(stride_ttr, tl.int64)
+    stride_sm = tl.cast(stride_sm, tl.int64)
+    stride_di_r = tl.cast(stride_di_r, tl.int64)
+    stride_di_c = tl.cast(stride_di_c, tl.int64)
+    stride_dl = tl.cast(stride_dl, tl.int64)
+    stride_pi_r = tl.cast(stride_pi_r, tl.int64)
+    stride_pi_c = tl.cast(stride_pi_c, tl.int64)
     t = tl.program_id(0).to(tl.int64)  # one token per program row
     pid_c = tl.program_id(1)
     o = pid_c * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -265,6 +279,9 @@ def _decode_runtime_metadata_kernel(
     num_rows, decode_query_len,
     BLOCK: tl.constexpr,
 ):
+    stride_sl = tl.cast(stride_sl, tl.int64)
+    stride_kv = tl.cast(stride_kv, tl.int64)
+    stride_qo = tl.cast(stride_qo, tl.int64)
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = r < num_rows
     req = r // decode_query_len
@@ -300,6 +317,12 @@ def _swa_indices_kernel(
     num_req, max_blocks, window, block_size,
     BLOCK: tl.constexpr,
 ):
+    stride_pos = tl.cast(stride_pos, tl.int64)
+    stride_ttr = tl.cast(stride_ttr, tl.int64)
+    stride_sm = tl.cast(stride_sm, tl.int64)
+    stride_i_r = tl.cast(stride_i_r, tl.int64)
+    stride_i_c = tl.cast(stride_i_c, tl.int64)
+    stride_l = tl.cast(stride_l, tl.int64)
     t = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     o = pid_c * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -347,6 +370,13 @@ def _compressed_topk_to_global_kernel(
 ):
     # One program per token walks all K columns, so ``lens`` (the last non-empty column + 1) needs
     # no cross-program reduction.
+    stride_li_r = tl.cast(stride_li_r, tl.int64)
+    stride_li_c = tl.cast(stride_li_c, tl.int64)
+    stride_ttr = tl.cast(stride_ttr, tl.int64)
+    stride_sm = tl.cast(stride_sm, tl.int64)
+    stride_i_r = tl.cast(stride_i_r, tl.int64)
+    stride_i_c = tl.cast(stride_i_c, tl.int64)
+    stride_l = tl.cast(stride_l, tl.int64)
     t = tl.program_id(0).to(tl.int64)
     req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
     last = tl.zeros([BLOCK], dtype=tl.int32)
