@@ -58,10 +58,17 @@ def check_min_size(name: str, t: torch.Tensor, dim: int, minimum, what: str) -> 
     )
 
 
-def check_positive(name: str, value, minimum: int = 1) -> None:
+INT32_MAX = 2**31 - 1
+
+
+def check_positive(name: str, value, minimum: int = 1, maximum: int | None = None) -> None:
+    """An int (or SymInt) in ``[minimum, maximum]``. Model constants (page sizes, windows, widths)
+    are bounded by INT32_MAX so that the kernels' int64 slot arithmetic and int32 lengths never wrap."""
     if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
         raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
     expect(value >= minimum, lambda: f"{name}: expected an int >= {minimum}, got {value}")
+    if maximum is not None:
+        expect(value <= maximum, lambda: f"{name}: expected an int <= {maximum}, got {value}")
 
 
 def check_unit_stride(name: str, t: torch.Tensor) -> None:

@@ -28,6 +28,8 @@ writes the exponent field directly (byte 0 is the subnormal ``2**-127``, byte 25
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS, cache_dim
@@ -87,6 +89,19 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
 # =====================================================================================================
 # Triton
 # =====================================================================================================
+
+# The Triton interpreter decodes the e4m3fn NaN bytes 0x7F / 0xFF as +-480; the GPU gives NaN. Under the
+# interpreter the decoder puts the NaN back, so both agree (a constexpr: the GPU code is unchanged).
+_INTERPRETER_E4M3_NAN = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _e4m3_to_f32(raw):
+    """float32 of uint8 e4m3fn bytes (NaN for 0x7F / 0xFF)."""
+    x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if _INTERPRETER_E4M3_NAN:
+        x = tl.where((raw & 0x7F) == 0x7F, float("nan"), x)
+    return x
 
 
 @triton.jit
@@ -156,7 +171,7 @@ def load_kv_cols(
         if COL0 < FP8_DIMS:
             fp8_mask = mask & (cols < FP8_DIMS)[None, :]
             raw = tl.load(cache_ptr + data_base[:, None] + cols[None, :], mask=fp8_mask, other=0)
-            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            x = _e4m3_to_f32(raw)
             # One scale per row for each group the tile covers, broadcast by a select per group:
             # cheaper than gathering a scale per element.
             FP8_END: tl.constexpr = FP8_DIMS if COL0 + CHUNK > FP8_DIMS else COL0 + CHUNK
@@ -221,7 +236,7 @@ def load_fp8_656_raw(
     page = slot // page_size
     row_base = page * stride_page + (slot - page * page_size) * 656
     raw = tl.load(cache_ptr + row_base[:, None] + cols[None, :], mask=valid[:, None], other=0)
-    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return _e4m3_to_f32(raw)
 
 
 @triton.jit
