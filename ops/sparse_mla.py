@@ -62,17 +62,19 @@ _MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split program, so the combine 
 # =====================================================================================================
 
 
-def softmax_factors(softmax_scale: float) -> tuple[float, float]:
-    """``(a, sign)`` of the overflow-safe softmax (``docs/sparse_mla.md``): the weight of a candidate is
-    ``exp2(a * (u - max u))`` with ``u = sign * <q, k>``, which equals ``exp(score - max score)``.
+def softmax_factors(softmax_scale: float) -> tuple[float, float, float]:
+    """``(a, sign, s)`` of the overflow-safe softmax (``docs/sparse_mla.md``): the weight of a candidate
+    is ``exp2(a * (u - max u))`` with ``u = sign * <q, k>``, which equals ``exp(score - max score)``,
+    and ``lse = s * max u + ln(sum of weights)``.
 
-    ``a = |softmax_scale| * log2(e)`` (float64, then float32, at most FLT_MAX) and ``sign`` the sign of
-    the scale; a scale whose ``a`` is below 2**-126 (0 included) gives ``sign = 0, a = 1``: equal
-    weights. ``a > 0`` always, so ``a * (-inf)`` is never NaN."""
-    a = abs(float(softmax_scale)) * LOG2E
+    ``s = min(|softmax_scale|, FLT_MAX)``, ``a = min(s * log2(e), FLT_MAX)`` (float64, then float32)
+    and ``sign`` the sign of the scale; when ``s * log2(e) < 2**-126`` (a zero scale included):
+    ``sign = 0, a = 1``, equal weights. ``a > 0`` always, so ``a * (-inf)`` is never NaN."""
+    s = min(abs(float(softmax_scale)), FLT_MAX)
+    a = s * LOG2E
     if not a >= 2.0**-126:
-        return 1.0, 0.0
-    return min(a, FLT_MAX), (1.0 if softmax_scale > 0 else -1.0)
+        return 1.0, 0.0, s
+    return min(a, FLT_MAX), (1.0 if softmax_scale > 0 else -1.0), s
 
 
 def _list_candidates_torch(q32, kv_cache, indices, lengths, kv_format):
@@ -94,7 +96,7 @@ def sparse_mla_decode_dense(q, kv_cache, indices, softmax_scale, kv_format="auto
     returns float32 ``(out [T, H, head_dim_v], lse [T, H])``. The CPU kernel runs it on chunks of
     tokens; the benchmark compiles it as the reference. The softmax follows the overflow-safe rule of
     ``docs/sparse_mla.md``, as the Triton kernel does."""
-    a, sign = softmax_factors(softmax_scale)
+    a, sign, s = softmax_factors(softmax_scale)
     q32 = q.to(torch.float32)
     parts = [_list_candidates_torch(q32, kv_cache, indices, topk_length, kv_format)]
     if extra_kv_cache is not None:
@@ -111,8 +113,8 @@ def sparse_mla_decode_dense(q, kv_cache, indices, softmax_scale, kv_format="auto
     total = p.sum(dim=2)
     has = total > 0
     out = torch.bmm(p, values) / torch.where(has, total, 1.0)[:, :, None]
-    lse2 = m[:, :, 0] * a + torch.log2(torch.where(has, total, 1.0))
-    lse = torch.where(has, (lse2 * LN2).clamp(-FLT_MAX, FLT_MAX), float("inf"))
+    lse = m[:, :, 0] * s + torch.log2(torch.where(has, total, 1.0)) * LN2
+    lse = torch.where(has, lse.clamp(-FLT_MAX, FLT_MAX), float("inf"))
     if attn_sink is not None:
         out = out * torch.where(has, torch.sigmoid(lse - attn_sink[None, :]), 0.0)[:, :, None]
     return out, lse
@@ -194,7 +196,7 @@ def _attend(
     xidx_row_ptr, x_stride_ik, n_extra,  # this token's extra list and its used length
     blk_lo, blk_hi,  # the blocks of BLOCK_N entries this program walks, numbered across both lists
     nb_main,  # blocks of the main list: block b >= nb_main is block b - nb_main of the extra list
-    qk_scale, score_sign,  # softmax_factors(softmax_scale): a > 0 and the sign of the scale (or 0)
+    qk_scale, score_sign,  # softmax_factors(softmax_scale)[:2]: a > 0 and the sign of the scale (or 0)
     BLOCK_H: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr, D: tl.constexpr, PT: tl.constexpr,
     HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr, FOLD: tl.constexpr,
     V_RAW: tl.constexpr, HAS_EXTRA: tl.constexpr,
@@ -280,13 +282,13 @@ def _oriented_scores(s, valid, score_sign):
 
 
 @triton.jit
-def _finish_rows(m_i, l_i, qk_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK: tl.constexpr):
+def _finish_rows(m_i, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK: tl.constexpr):
     """Natural-log ``lse`` [BLOCK_H] and the factor that turns ``acc`` into ``out`` (1/l times the
     sink's ``1 / (1 + exp(sink - lse))``); rows without a candidate get ``+inf`` and 0. ``lse`` of a
     row with candidates saturates at +-FLT_MAX, so ``+inf`` keeps meaning "no candidate"."""
     has = l_i > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
-    lse2 = m_i * qk_scale + tl.log2(tl.where(has, l_i, 1.0))
-    lse = tl.where(has, tl.minimum(tl.maximum(lse2 * _LN2, -_FLT_MAX), _FLT_MAX), float("inf"))
+    lse = m_i * lse_scale + tl.log2(tl.where(has, l_i, 1.0)) * _LN2  # may overflow to +-inf: saturated next
+    lse = tl.where(has, tl.minimum(tl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
     factor = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if HAS_SINK:
         sink = tl.load(sink_ptr + heads * stride_sink, mask=head_ok, other=float("-inf"))
@@ -322,7 +324,7 @@ def _sparse_mla_decode_kernel(
     out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype (not SPLIT)
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H] (not SPLIT)
     ws_ptr, ws_ml_off,  # SPLIT: float32 workspace: acc [T, S, H, 4 * PV], then (m, l) [T, S, H, 2] at ws_ml_off
-    num_heads, num_head_blocks, num_splits, qk_scale, score_sign,  # softmax_factors(softmax_scale)
+    num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,  # softmax_factors(softmax_scale)
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DV: tl.constexpr, PV: tl.constexpr, D: tl.constexpr, PT: tl.constexpr, HAS_TAIL: tl.constexpr,
     KV_FORMAT: tl.constexpr, FOLD: tl.constexpr, V_RAW: tl.constexpr, HAS_LEN: tl.constexpr,
@@ -409,7 +411,7 @@ def _sparse_mla_decode_kernel(
         tl.store(ws_ptr + ws_ml_off + row * 2, m_i, mask=head_ok)
         tl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_i, mask=head_ok)
     else:
-        lse, factor = _finish_rows(m_i, l_i, qk_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
+        lse, factor = _finish_rows(m_i, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
         tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
         out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
         _store_piece(out_rows, stride_od, acc0, factor, head_ok, 0, PV, DV)
@@ -424,7 +426,7 @@ def _sparse_mla_combine_kernel(
     sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
     out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H]
-    num_heads, num_head_blocks, num_splits, qk_scale,
+    num_heads, num_head_blocks, num_splits, qk_scale, lse_scale,  # softmax_factors(softmax_scale)[0, 2]
     BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     stride_sink = tl.cast(stride_sink, tl.int64)  # the offset rule (ops/_launch.py)
@@ -456,7 +458,7 @@ def _sparse_mla_combine_kernel(
         l_i += l_s * w
         a = tl.load(ws_acc_ptr + row[:, None] * DV_PAD + cols[None, :], mask=head_ok[:, None], other=0.0)
         acc += a * w[:, None]
-    lse, factor = _finish_rows(m_use, l_i, qk_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
+    lse, factor = _finish_rows(m_use, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
     tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
     out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
     _store_piece(out_rows, stride_od, acc, factor, head_ok, 0, DV_PAD, DV)
@@ -548,6 +550,7 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
     num_tokens, num_heads, dim = q.shape
     pv, pt, has_tail = _pieces(dim, head_dim_v)
     splits = plan.num_splits
+    factors = softmax_factors(softmax_scale)
     ws_ml_off = num_tokens * splits * num_heads * 4 * pv
     ws_numel = ws_ml_off + num_tokens * splits * num_heads * 2 if splits > 1 else 0
     has_extra = extra_kv_cache is not None
@@ -570,7 +573,7 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
         out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse.stride(0), lse.stride(1),
         lse, ws_ml_off,  # the workspace
-        num_heads, plan.head_blocks, splits, *softmax_factors(softmax_scale),
+        num_heads, plan.head_blocks, splits, *factors,
     )
     fold = kv_format == "fp8_656" and head_dim_v == 512  # the four V pieces are the four scale groups
     meta = dict(
@@ -588,7 +591,7 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
     combine = KernelLaunch(
         _sparse_mla_combine_kernel, (num_tokens * head_blocks_c,),
         (lse, ws_ml_off, sink, sink.stride(0), out, out.stride(0), out.stride(1), out.stride(2),
-         lse, lse.stride(0), lse.stride(1), num_heads, head_blocks_c, splits, softmax_factors(softmax_scale)[0]),
+         lse, lse.stride(0), lse.stride(1), num_heads, head_blocks_c, splits, factors[0], factors[2]),
         dict(BLOCK_H=block_hc, DV=head_dim_v, DV_PAD=4 * pv, HAS_SINK=attn_sink is not None),
         num_warps=4, device=q.device)
     return ws_numel, main, combine

@@ -153,7 +153,8 @@ def reference(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=
               attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
     """float64 ``(out, lse)``, one token and one list entry at a time. ``lse`` of a token with
     candidates saturates at +-FLT_MAX (the float32 output cannot hold more, and +inf means "no
-    candidate")."""
+    candidate"), and a ``|softmax_scale|`` above FLT_MAX counts as FLT_MAX (docs/sparse_mla.md)."""
+    softmax_scale = math.copysign(min(abs(softmax_scale), FLT_MAX), softmax_scale)
     num_tokens, num_heads, _ = q.shape
     out = torch.zeros(num_tokens, num_heads, head_dim_v, dtype=torch.float64)
     lse = torch.full((num_tokens, num_heads), math.inf, dtype=torch.float64)
