@@ -85,21 +85,20 @@ def memory_extent(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
-def check_no_overlap(spans) -> None:
-    """``ValueError`` when a written tensor overlaps the memory of another argument of the same call.
+def check_no_overlap(names, starts, extents, written) -> None:
+    """``ValueError`` when a written tensor overlaps the memory of another tensor argument of the call.
 
-    ``spans``: ``(name, start, extent, written)`` per tensor argument (``start = data_ptr()``,
-    ``extent`` from :func:`memory_extent`). Reads may overlap each other; a written tensor (an output
-    buffer, or the cache ``kv_cache_insert`` writes) may overlap nothing: the kernels read their
-    inputs while they write, and partial results would be read back. Needs data pointers, so it runs
-    in the real implementations only, on every call (never cached: the same shapes can come with
-    other addresses).
+    ``names``, ``starts`` (``data_ptr()``) and ``extents`` (:func:`memory_extent`) per tensor argument,
+    ``written``: the positions of the written ones (outputs, or the cache ``kv_cache_insert`` writes).
+    Reads may overlap each other; a written tensor may overlap nothing: the kernels read their inputs
+    while they write, and an output would clobber another. Needs data pointers, so it runs in the
+    real implementations only, on every call (never cached: the same shapes come with other addresses).
     """
-    for i, (name, start, extent, written) in enumerate(spans):
-        if not written:
-            continue
-        for j, (other, o_start, o_extent, o_written) in enumerate(spans):
-            if j != i and start < o_start + o_extent and o_start < start + extent:
-                what = "output" if o_written else "input"
-                raise ValueError(f"{name}: overlaps the memory of {what} {other}; an output buffer must not alias "
-                                 f"another argument of the call (pass a separate buffer)")
+    for i in written:
+        start = starts[i]
+        end = start + extents[i]
+        for j, other in enumerate(starts):
+            if other < end and start < other + extents[j] and j != i:
+                what = "output" if j in written else "input"
+                raise ValueError(f"{names[i]}: overlaps the memory of {what} {names[j]}; an output buffer must not "
+                                 f"alias another argument of the call (pass a separate buffer)")

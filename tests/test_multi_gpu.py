@@ -28,8 +28,12 @@ ops = torch.ops.sparse_mla
 I32, I64, BF16, F16, F32 = torch.int32, torch.int64, torch.bfloat16, torch.float16, torch.float32
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
-requires_two_gpus = pytest.mark.skipif(
+_skip_without_two_gpus = pytest.mark.skipif(
     not TWO_GPUS, reason="needs two CUDA GPUs: runs on a two-GPU machine (the fake-tensor checks above run anywhere)")
+
+
+def requires_two_gpus(test):
+    return pytest.mark.cuda(_skip_without_two_gpus(test))
 
 
 # =====================================================================================================

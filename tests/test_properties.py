@@ -387,7 +387,7 @@ def test_sparse_mla_decode(backend, data, kv_format, t, h, k, k2, sink, scale):
         assert not out.isnan().any() and not lse.isnan().any()
         finite = ~torch.isinf(ref_lse)
         assert torch.equal(torch.isposinf(lse.cpu()), ~finite)
-        torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], rtol=1e-5, atol=1e-4)
+        torch.testing.assert_close(lse.cpu().double()[finite], ref_lse[finite], rtol=2e-3, atol=1e-4)
         return
     assert_matches(out, lse, ref_out, ref_lse, tensor_cores=backend != "cpu", rounded_k=rounds_k)
 

@@ -338,7 +338,8 @@ def _assert_extreme_scale(out, lse, ref_out, ref_lse):
     assert not out.isnan().any() and not lse.isnan().any()
     no_candidate = torch.isinf(ref_lse)
     assert torch.equal(torch.isposinf(lse), no_candidate), "lse = +inf only for the tokens without candidates"
-    torch.testing.assert_close(lse[~no_candidate], ref_lse[~no_candidate], rtol=1e-5, atol=1e-4)
+    # the float32 dot products carry ~2^-20 of sum |q k|: relative to lse, at most ~1e-3 after cancellation
+    torch.testing.assert_close(lse[~no_candidate], ref_lse[~no_candidate], rtol=2e-3, atol=1e-4)
     vmax = ref_out.abs().max().item()
     torch.testing.assert_close(out, ref_out, atol=2**-7 * vmax, rtol=2**-7)
 
@@ -673,6 +674,13 @@ _CUDA = [Spec(kv_format=f, T=t, H=h, K=k) for f in fr.FORMATS for t, h, k in
     Spec(kv_format="fp8_584", T=2, H=80, K=128, K2=512, lengths=True, page_pad=64),
     Spec(kv_format="fp8_656", T=3, H=16, K=64, head_dim_v=448),
     Spec(kv_format="fp8_656", T=3, H=32, K=256, scale=0.3),
+    # head dims past the model's: tiles chosen from D (D = 2048 at 64 heads ran out of shared memory)
+    Spec(kv_format="auto", T=2, H=64, K=64, dim=2048, head_dim_v=512, lengths=True, sink="finite"),
+    Spec(kv_format="auto", T=2, H=64, K=64, dim=1024, head_dim_v=1024),
+    Spec(kv_format="auto", T=200, H=64, K=64, dim=2048, head_dim_v=2048, pool=32),
+    Spec(kv_format="auto", T=2, H=128, K=64, dim=1536, head_dim_v=1025, dtype=torch.float16),
+    # scores past float32 on the GPU kernel too (checked against the saturating reference)
+    Spec(kv_format="fp8_584", T=3, H=16, K=64, K2=8, lengths=True, sink="finite", empty_row=True, scale=1e38),
 ]
 
 
@@ -682,6 +690,9 @@ def test_cuda_parity(spec):
     kwargs = make_inputs(spec)
     out, lse = _outputs_like(kwargs, "cuda")
     torch_sparse_mla.sparse_mla_decode(**_to_device(kwargs, "cuda"), out=(out, lse))
+    if abs(spec.scale) > 1e30:
+        _assert_extreme_scale(out.cpu(), lse.cpu(), *reference(**kwargs))
+        return
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True, rounded_k=_rounds_k(spec))
 
 

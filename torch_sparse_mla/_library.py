@@ -197,22 +197,25 @@ def _out(name: str, fake_out, kernel):
     Besides the fake's checks (cached by signature), every call checks that no written tensor
     overlaps another tensor argument (``check_no_overlap``): that needs data pointers, so only the
     extents of the tensors are cached with the signature."""
-    seen = _Validated()  # signature -> ((name, position or output name, extent in bytes, written), ...)
-    positional, written = _written_args(name)
+    seen = _Validated()  # signature -> (names, argument positions / output names, extents, written positions)
+    positional, written_names = _written_args(name)
 
     def impl(*args, **outputs):
         key = _metadata_key(args, outputs.values())
         layout = seen.get(key)
         if layout is None:
             fake_out(*args, **outputs)
-            layout = tuple((n, i, memory_extent(a), n in written)
-                           for i, (n, a) in enumerate(zip(positional, args)) if isinstance(a, torch.Tensor))
-            layout += tuple((n, n, memory_extent(a), True) for n, a in outputs.items())
-            layout = tuple(entry for entry in layout if entry[2] > 0)
+            entries = [(n, i, memory_extent(a)) for i, (n, a) in enumerate(zip(positional, args))
+                       if isinstance(a, torch.Tensor)] + [(n, n, memory_extent(a)) for n, a in outputs.items()]
+            entries = [e for e in entries if e[2] > 0]
+            written = tuple(k for k, (n, _, _) in enumerate(entries) if n in written_names or n in outputs)
+            layout = (tuple(n for n, _, _ in entries), tuple(i for _, i, _ in entries),
+                      tuple(e for _, _, e in entries), written if len(entries) > 1 else ())
             seen.put(key, layout)
-        if len(layout) > 1 and any(entry[3] for entry in layout):
-            check_no_overlap([(n, (outputs[i] if isinstance(i, str) else args[i]).data_ptr(), extent, w)
-                              for n, i, extent, w in layout])
+        names, where, extents, written = layout
+        if written:
+            check_no_overlap(names, [(outputs[i] if i.__class__ is str else args[i]).data_ptr() for i in where],
+                             extents, written)
         kernel(*args, **outputs)
 
     impl.__name__ = f"{name}_out_{kernel.__name__.rsplit('_', 1)[-1]}"
