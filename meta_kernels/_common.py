@@ -58,13 +58,47 @@ def check_min_size(name: str, t: torch.Tensor, dim: int, minimum, what: str) -> 
     )
 
 
-def check_positive(name: str, value, minimum: int = 1) -> None:
+INT32_MAX = 2**31 - 1
+
+
+def check_positive(name: str, value, minimum: int = 1, maximum: int | None = None) -> None:
+    """An int (or SymInt) in ``[minimum, maximum]``. Model constants (page sizes, windows, widths)
+    are bounded by INT32_MAX so that the kernels' int64 slot arithmetic and int32 lengths never wrap."""
     if not isinstance(value, (int, torch.SymInt)) or isinstance(value, bool):
         raise ValueError(f"{name}: expected an int, got {type(value).__name__}")
     expect(value >= minimum, lambda: f"{name}: expected an int >= {minimum}, got {value}")
+    if maximum is not None:
+        expect(value <= maximum, lambda: f"{name}: expected an int <= {maximum}, got {value}")
 
 
 def check_unit_stride(name: str, t: torch.Tensor) -> None:
     """The last dimension must be dense (kernels vectorise along it)."""
     if t.dim() > 0 and t.shape[-1] != 1:
         expect(t.stride(-1) == 1, lambda: f"{name}: expected stride(-1) == 1, got strides {tuple(t.stride())}")
+
+
+def memory_extent(t: torch.Tensor) -> int:
+    """Bytes from ``t.data_ptr()`` to the end of its last element (0 for an empty tensor)."""
+    if t.numel() == 0:
+        return 0
+    last = sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return (last + 1) * t.element_size()
+
+
+def check_no_overlap(names, starts, extents, written) -> None:
+    """``ValueError`` when a written tensor overlaps the memory of another tensor argument of the call.
+
+    ``names``, ``starts`` (``data_ptr()``) and ``extents`` (:func:`memory_extent`) per tensor argument,
+    ``written``: the positions of the written ones (outputs, or the cache ``kv_cache_insert`` writes).
+    Reads may overlap each other; a written tensor may overlap nothing: the kernels read their inputs
+    while they write, and an output would clobber another. Needs data pointers, so it runs in the
+    real implementations only, on every call (never cached: the same shapes come with other addresses).
+    """
+    for i in written:
+        start = starts[i]
+        end = start + extents[i]
+        for j, other in enumerate(starts):
+            if other < end and start < other + extents[j] and j != i:
+                what = "output" if j in written else "input"
+                raise ValueError(f"{names[i]}: overlaps the memory of {what} {names[j]}; an output buffer must not "
+                                 f"alias another argument of the call (pass a separate buffer)")

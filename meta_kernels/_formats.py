@@ -43,6 +43,16 @@ def check_kv_cache(name: str, kv_cache, kv_format: str, *, device=None, dtype=No
     ``[pages, page_size, 656 | 584]``. Every format: ``stride(-1) == 1``; ``fp8_656``: ``stride(1) ==
     656``; ``auto``: ``stride(1) >= D``; pages must not overlap (``stride(0) >= page_size * D`` for
     ``auto``, ``page_size * 656 | 584`` bytes otherwise, when there is more than one page).
+
+    Then the bounds proof: every element a kernel may touch lies inside the view. The kernels touch,
+    in page ``p``, the elements ``[p * stride(0), p * stride(0) + span)`` with ``span`` =
+    ``(page_size - 1) * stride(1) + D`` (``auto``), ``page_size * 656`` (``fp8_656``) or
+    ``page_size * 584`` (``fp8_584``: data rows then scale rows, whatever ``stride(1)`` says). The view
+    reaches ``(page_size - 1) * stride(1) + W`` elements past the start of its last page (``W`` =
+    ``shape[-1]``, unit last stride), and torch keeps a view inside its storage; so the layout is inside
+    the storage when ``span`` is at most that. The proof uses shape and strides only, never the
+    storage size: under ``torch.compile`` a fake tensor's storage is the view's own extent, so a proof
+    on the real storage size would accept in eager mode what the compiled graph rejects.
     """
     check_format(kv_format)
     if kv_format == "auto":
@@ -71,3 +81,10 @@ def check_kv_cache(name: str, kv_cache, kv_format: str, *, device=None, dtype=No
     expect((pages <= 1) | (stride_page >= page_size * row),
            lambda: f"{name}: expected stride(0) >= page_size * {row} (pages must not overlap), "
                    f"got shape {tuple(kv_cache.shape)} and strides {tuple(kv_cache.stride())}")
+    # The bounds proof (see the docstring): the layout's span of a page within the view's.
+    span = (page_size - 1) * stride_row + dim if kv_format == "auto" else page_size * row
+    view_span = (page_size - 1) * stride_row + dim
+    expect((pages == 0) | (page_size == 0) | (span <= view_span),
+           lambda: f"{name}: expected a view that covers the {kv_format} layout of its pages ({span} bytes from "
+                   f"each page's start, so stride(1) >= {row}), got shape {tuple(kv_cache.shape)} and strides "
+                   f"{tuple(kv_cache.stride())}, which reach {view_span} bytes into the last page")

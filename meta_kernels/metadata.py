@@ -10,6 +10,7 @@ import torch
 
 from ._common import (
     INDEX_DTYPES,
+    INT32_MAX,
     SLOT_DTYPES,
     check_min_size,
     check_positive,
@@ -37,8 +38,8 @@ def _check_compressed_slot_mapping(query_start_loc, seq_lens, block_table, block
     _check_block_table(block_table, device)
     check_size("query_start_loc", query_start_loc, 0, seq_lens.shape[0] + 1, "len(seq_lens) + 1")
     check_size("block_table", block_table, 0, seq_lens.shape[0], "len(seq_lens)")
-    check_positive("block_size", block_size)
-    check_positive("compress_ratio", compress_ratio)
+    check_positive("block_size", block_size, maximum=INT32_MAX)
+    check_positive("compress_ratio", compress_ratio, maximum=INT32_MAX)
 
 
 def compressed_slot_mapping(query_start_loc, seq_lens, block_table, num_tokens, block_size, compress_ratio):
@@ -68,7 +69,7 @@ def _check_per_token(lead_name, lead, lead_dtypes, lead_ndim, token_to_req, bloc
     what = "len(positions)" if lead_ndim == 1 else f"{lead_name}.shape[0]"
     check_size("token_to_req", token_to_req, 0, num_tokens, what)
     check_size("slot_mapping", slot_mapping, 0, num_tokens, what)
-    check_positive("block_size", block_size)
+    check_positive("block_size", block_size, maximum=INT32_MAX)
     return num_tokens
 
 
@@ -84,8 +85,8 @@ def _check_c128a(positions, token_to_req, block_table, slot_mapping, num_decode_
     check_positive("num_decode_tokens", num_decode_tokens, minimum=0)
     expect(num_decode_tokens <= num_tokens,
            lambda: f"num_decode_tokens: expected <= len(positions) ({num_tokens}), got {num_decode_tokens}")
-    check_positive("compress_ratio", compress_ratio)
-    check_positive("width", width, minimum=0)
+    check_positive("compress_ratio", compress_ratio, maximum=INT32_MAX)
+    check_positive("width", width, minimum=0, maximum=INT32_MAX)
     return num_tokens
 
 
@@ -120,7 +121,7 @@ def c128a_topk_indices_out(positions, token_to_req, block_table, slot_mapping, n
 
 def _check_decode_runtime_metadata(seq_lens, decode_query_len):
     check_tensor("seq_lens", seq_lens, dtypes=INDEX_DTYPES, ndim=1)
-    check_positive("decode_query_len", decode_query_len)
+    check_positive("decode_query_len", decode_query_len, maximum=INT32_MAX)
     return seq_lens.shape[0] * decode_query_len
 
 
@@ -141,7 +142,7 @@ def decode_runtime_metadata_out(seq_lens, decode_query_len, *, kv_segment_lens, 
 
 def _check_swa(positions, token_to_req, block_table, slot_mapping, window, block_size):
     num_tokens = _check_token_lists(positions, token_to_req, block_table, slot_mapping, block_size)
-    check_positive("window", window)
+    check_positive("window", window, maximum=INT32_MAX)
     return num_tokens
 
 

@@ -7,6 +7,8 @@ Index values are never read here; the kernels treat every out-of-range entry as 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._common import (
@@ -20,6 +22,9 @@ from ._formats import cache_dim, check_format, check_kv_cache
 
 Q_DTYPES = (torch.bfloat16, torch.float16)
 MAX_HEADS = 128
+# The CUDA kernel holds a [heads, D] Q tile and a [keys, D] K tile in shared memory; the launcher
+# shrinks both down to 16 x 16 for large D, which fits D <= 2048 in the 227 KB of an sm_90 block.
+MAX_CUDA_DIM = 2048
 
 
 def _check_list(name_cache, cache, name_idx, indices, name_len, lengths, kv_format, q, num_tokens, dim):
@@ -52,6 +57,12 @@ def _check(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_leng
            lambda: f"q: expected 1 <= shape[1] (heads) <= {MAX_HEADS}, got shape {tuple(q.shape)}")
     if not isinstance(softmax_scale, (float, int, torch.SymFloat)) or isinstance(softmax_scale, bool):
         raise ValueError(f"softmax_scale: expected a float, got {type(softmax_scale).__name__}")
+    if isinstance(softmax_scale, (float, int)) and not math.isfinite(softmax_scale):
+        raise ValueError(f"softmax_scale: expected a finite float, got {softmax_scale}")
+    if q.device.type == "cuda":
+        expect(dim <= MAX_CUDA_DIM,
+               lambda: f"q: expected shape[2] (D) <= {MAX_CUDA_DIM} on CUDA (the kernel's Q and K tiles must fit "
+                       f"the shared memory of one block), got shape {tuple(q.shape)}")
     check_positive("head_dim_v", head_dim_v)
     expect(head_dim_v <= dim, lambda: f"head_dim_v: expected <= q.shape[2] ({dim}), got {head_dim_v}")
     _check_list("kv_cache", kv_cache, "indices", indices, "topk_length", topk_length, kv_format, q,

@@ -28,6 +28,8 @@ writes the exponent field directly (byte 0 is the subnormal ``2**-127``, byte 25
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS, cache_dim
@@ -88,6 +90,19 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
 # Triton
 # =====================================================================================================
 
+# The Triton interpreter decodes the e4m3fn NaN bytes 0x7F / 0xFF as +-480; the GPU gives NaN. Under the
+# interpreter the decoder puts the NaN back, so both agree (a constexpr: the GPU code is unchanged).
+_INTERPRETER_E4M3_NAN = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+
+
+@triton.jit
+def _e4m3_to_f32(raw):
+    """float32 of uint8 e4m3fn bytes (NaN for 0x7F / 0xFF)."""
+    x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    if _INTERPRETER_E4M3_NAN:
+        x = tl.where((raw & 0x7F) == 0x7F, float("nan"), x)
+    return x
+
 
 @triton.jit
 def _load_f32_le(ptr, mask):
@@ -127,6 +142,9 @@ def load_kv_cols(
 ):
     """float32 ``[BLOCK_N, CHUNK]``: dims ``COL0 + j`` of each slot, 0 for invalid rows and for dims
     ``>= COL_END``. ``load_kv_tile`` is this with ``COL_END`` = the format's D."""
+    stride_page = tl.cast(stride_page, tl.int64)  # the offset rule (ops/_launch.py)
+    stride_row = tl.cast(stride_row, tl.int64)
+    page_size = tl.cast(page_size, tl.int64)  # page_size * 576 passes 2**31 for large fp8_584 pages
     cols = COL0 + tl.arange(0, CHUNK)
     slot = tl.where(valid, slots, 0).to(tl.int64)
     page = slot // page_size
@@ -153,7 +171,7 @@ def load_kv_cols(
         if COL0 < FP8_DIMS:
             fp8_mask = mask & (cols < FP8_DIMS)[None, :]
             raw = tl.load(cache_ptr + data_base[:, None] + cols[None, :], mask=fp8_mask, other=0)
-            x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            x = _e4m3_to_f32(raw)
             # One scale per row for each group the tile covers, broadcast by a select per group:
             # cheaper than gathering a scale per element.
             FP8_END: tl.constexpr = FP8_DIMS if COL0 + CHUNK > FP8_DIMS else COL0 + CHUNK
@@ -211,18 +229,22 @@ def load_fp8_656_raw(
     With ``load_fp8_656_scales``, ``raw * scale[:, None]`` is the dequantised tile; keeping them apart
     lets a caller run exact products on the raw values (e4m3 is exact in bf16 and fp16) and apply the
     scale afterwards in float32."""
+    stride_page = tl.cast(stride_page, tl.int64)  # the offset rule (ops/_launch.py)
+    page_size = tl.cast(page_size, tl.int64)
     cols = GROUP * 128 + tl.arange(0, 128)
     slot = tl.where(valid, slots, 0).to(tl.int64)
     page = slot // page_size
     row_base = page * stride_page + (slot - page * page_size) * 656
     raw = tl.load(cache_ptr + row_base[:, None] + cols[None, :], mask=valid[:, None], other=0)
-    return raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return _e4m3_to_f32(raw)
 
 
 @triton.jit
 def load_fp8_656_scales(cache_ptr, stride_page, page_size, slots, valid):
     """The four float32 scales ``[BLOCK_N]`` of each row (0 for invalid rows), from one 16-byte load
     per row (a single vector load when the page stride is a multiple of 16)."""
+    stride_page = tl.cast(stride_page, tl.int64)  # the offset rule (ops/_launch.py)
+    page_size = tl.cast(page_size, tl.int64)
     slot = tl.where(valid, slots, 0).to(tl.int64)
     page = slot // page_size
     row_base = page * stride_page + (slot - page * page_size) * 656

@@ -21,6 +21,14 @@ One set of conventions for all of them (metadata, KV cache, sparse MLA, sparse G
   ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the normal path. Triton's
   launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as proton) are not called
   on the shortcut; set that variable while profiling with them.
+- **One offset rule.** Triton passes a Python int that fits in 32 bits as an ``i32`` (and the value 1 as
+  the constexpr 1), so a product of two kernel arguments, or of an argument and a 32-bit index, wraps
+  past 2**31. Every kernel therefore widens, at its top, every stride and every size that enters an
+  address (``x = tl.cast(x, tl.int64)``; ``tl.cast`` also takes the constexpr 1), and the shared
+  device functions of ``ops/_formats.py`` widen their stride and page-size arguments themselves.
+  A product that forms an offset then always has an int64 operand and is computed in int64, whatever
+  the index it multiplies (program id, ``tl.arange``, a loaded index). Sizes that are only compared
+  (row counts, ``num_slots``) stay as they are.
 - **Constants** shared by the attention kernels: :data:`LOG2E` (``LOG2E_CONST`` inside kernels), and
   :data:`OFF_CUDA_SMS`, the
   multiprocessor count plans assume off CUDA (the Triton interpreter on CPU tensors), small so that
@@ -63,7 +71,10 @@ def prev_pow2(n: int) -> int:
     return 1 << (max(n, 1).bit_length() - 1)
 
 
+DEFAULT_SHARED_BYTES = 232_448  # shared memory a thread block may use on sm_90 (H100, H200), opt-in
+
 _SMS: dict[int, int] = {}
+_SHARED: dict[int, int] = {}
 
 
 def multiprocessor_count(device: torch.device) -> int:
@@ -75,6 +86,19 @@ def multiprocessor_count(device: torch.device) -> int:
     if count is None:
         count = _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
     return count
+
+
+def shared_memory_per_block(device: torch.device) -> int:
+    """Bytes of shared memory one thread block may use on a CUDA device (cached), or
+    :data:`DEFAULT_SHARED_BYTES` off CUDA (the interpreter plans as for an sm_90 GPU)."""
+    if device.type != "cuda":
+        return DEFAULT_SHARED_BYTES
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    size = _SHARED.get(index)
+    if size is None:
+        props = torch.cuda.get_device_properties(index)
+        size = _SHARED[index] = int(getattr(props, "shared_memory_per_block_optin", DEFAULT_SHARED_BYTES))
+    return size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,5 +235,5 @@ class KernelLaunch:
             return self.kernel[self.grid](*args, **self.meta, **self.options)
 
 
-__all__ = ["LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan", "PlanCache", "cdiv", "multiprocessor_count", "next_pow2",
-           "prev_pow2"]
+__all__ = ["DEFAULT_SHARED_BYTES", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan", "PlanCache",
+           "cdiv", "multiprocessor_count", "next_pow2", "prev_pow2", "shared_memory_per_block"]

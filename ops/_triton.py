@@ -30,8 +30,12 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
         def jit(fn=None, **_kwargs):
             return _Unlaunchable(fn) if fn is not None else _Unlaunchable
 
+    class _Constexpr:
+        def __init__(self, value=None):
+            self.value = value
+
     class _LanguageStandIn:
-        constexpr = object
+        constexpr = _Constexpr
 
     triton = _TritonStandIn()
     tl = _LanguageStandIn()

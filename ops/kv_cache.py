@@ -14,7 +14,12 @@ Both backends produce the same bytes:
   truncates in ``.to()`` while the GPU rounds; the PyTorch side uses torch's RNE conversions;
 - the UE8M0 exponent ``ceil(log2(y))`` is read from the exponent and mantissa bits of ``y`` (exact;
   ``log2`` is approximate on the GPU);
-- bf16 inputs are widened by a shift of their bits (the interpreter flushes bf16 subnormals).
+- bf16 inputs are widened by a shift of their bits (the interpreter flushes bf16 subnormals);
+- non-finite values (``docs/kv_cache.md``): a tile's amax ignores NaN and +-inf; NaN is stored as the
+  format's canonical quiet NaN (e4m3fn ``0x7F``, bf16 ``0x7FC0``, fp16 ``0x7E00``, float32
+  ``0x7FC00000``), +-inf saturates to +-448 in e4m3fn (which has no infinity) and stays +-inf in
+  bf16, fp16 and float32; the PyTorch kernels write the same canonical bytes (torch's own NaN
+  patterns differ between conversion paths).
 Multi-byte fields of the fp8 formats are written byte by byte, little-endian, so no alignment beyond
 one byte is assumed (a page stride padded to an odd number of bytes works).
 """
@@ -29,6 +34,10 @@ from ._launch import KernelLaunch, PlanCache, cdiv, next_pow2
 from ._triton import tl, triton
 
 E4M3_MAX = 448.0
+# Canonical quiet NaN of each stored format (sign and payload are not kept), as the int of its bits.
+NAN_BITS = {torch.float8_e4m3fn: 0x7F, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
+_INT_VIEW = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+             torch.float32: torch.int32}
 FP32_MIN_NORMAL = 1.1754943508222875e-38  # 2**-126: the SPEC's 1.1754944e-38 rounded to float32
 UE8M0_MIN_AMAX = 1e-4  # fp8_584 tiles below this amax share the exponent of 1e-4
 
@@ -46,22 +55,39 @@ _PLANS = PlanCache()
 # =====================================================================================================
 
 
+def canonical_nan_(t: torch.Tensor, nan: torch.Tensor) -> torch.Tensor:
+    """Write the canonical NaN bits of ``t.dtype`` where ``nan`` is set (in place, any strides)."""
+    t.view(_INT_VIEW[t.dtype]).masked_fill_(nan, NAN_BITS[t.dtype])
+    return t
+
+
+def to_stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` converted to ``dtype`` (round to nearest even) with every NaN canonical."""
+    return canonical_nan_(x.to(dtype, copy=True), torch.isnan(x))
+
+
 def _e4m3_bytes(x: torch.Tensor) -> torch.Tensor:
-    """uint8 e4m3fn bytes of float32 ``x``: round to nearest even, saturating at +-448 (torch's
-    float -> e4m3fn gives NaN past 448 and ``x / scale`` can round to 448.00003)."""
-    return x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    """uint8 e4m3fn bytes of float32 ``x``: round to nearest even, saturating at +-448 (infinities
+    included; torch's float -> e4m3fn gives NaN past 448 and ``x / scale`` can round to 448.00003);
+    NaN is the canonical 0x7F."""
+    return to_stored(x.clamp(-E4M3_MAX, E4M3_MAX), torch.float8_e4m3fn).view(torch.uint8)
 
 
 def _bf16_bytes(x: torch.Tensor) -> torch.Tensor:
-    """``[n, 2 * d]`` little-endian bytes of float32 ``x [n, d]`` rounded to bf16."""
-    return x.to(torch.bfloat16).contiguous().view(torch.uint8)
+    """``[n, 2 * d]`` little-endian bytes of float32 ``x [n, d]`` rounded to bf16 (NaN canonical)."""
+    return to_stored(x, torch.bfloat16).contiguous().view(torch.uint8)
+
+
+def _finite_amax(tiles: torch.Tensor) -> torch.Tensor:
+    """Largest finite magnitude of each tile (NaN and +-inf do not count; 0 if none)."""
+    return torch.where(torch.isfinite(tiles), tiles.abs(), 0.0).amax(dim=-1)
 
 
 def _encode_fp8_656_torch(x: torch.Tensor) -> torch.Tensor:
     """uint8 ``[n, 656]`` records of float32 ``x [n, 576]``."""
     n = x.shape[0]
     tiles = x[:, :512].reshape(n, 4, 128)
-    scale = (tiles.abs().amax(dim=-1) / E4M3_MAX).clamp_min(FP32_MIN_NORMAL)  # [n, 4]
+    scale = (_finite_amax(tiles) / E4M3_MAX).clamp_min(FP32_MIN_NORMAL)  # [n, 4]
     fp8 = _e4m3_bytes(tiles / scale[:, :, None]).reshape(n, 512)
     return torch.cat([fp8, scale.view(torch.uint8), _bf16_bytes(x[:, 512:])], dim=1)
 
@@ -77,7 +103,7 @@ def _encode_fp8_584_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(uint8 ``[n, 576]`` data rows, uint8 ``[n, 8]`` scale rows) of float32 ``x [n, 512]``."""
     n = x.shape[0]
     tiles = x[:, :448].reshape(n, 7, 64)
-    e = ue8m0_exponent_torch(tiles.abs().amax(dim=-1))  # [n, 7]
+    e = ue8m0_exponent_torch(_finite_amax(tiles))  # [n, 7]
     # 2**-e built in the exponent field: exact, and e stays in [-22, 120] for finite inputs.
     inv_scale = ((127 - e).clamp(1, 254) << 23).view(torch.float32)
     fp8 = _e4m3_bytes(tiles * inv_scale[:, :, None]).reshape(n, 448)
@@ -94,7 +120,7 @@ def kv_cache_insert_torch(kv, slot_mapping, kv_cache, kv_format):
         return
     page, row = slots // page_size, slots % page_size
     if kv_format == "auto":
-        kv_cache[page, row] = kv[keep].to(kv_cache.dtype)
+        kv_cache[page, row] = to_stored(kv[keep], kv_cache.dtype)
         return
     x = kv[keep].to(torch.float32)
     if kv_format == "fp8_656":
@@ -113,7 +139,8 @@ def kv_cache_gather_torch(kv_cache, slots, kv_format, dtype=None, *, out):
     # ``out.dtype`` is the result dtype (the fake checked that ``dtype``, when given, agrees).
     if out.shape[0] == 0:
         return
-    out.copy_(dequantize_torch(kv_cache, slots, kv_format))
+    vals = dequantize_torch(kv_cache, slots, kv_format)
+    canonical_nan_(out.copy_(vals), torch.isnan(vals))
 
 
 # =====================================================================================================
@@ -123,14 +150,16 @@ def kv_cache_gather_torch(kv_cache, slots, kv_format, dtype=None, *, out):
 
 @triton.jit
 def _round_to_small_float(x, MBITS: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr,
-                          MAX_MAG: tl.constexpr):
+                          MAX_MAG: tl.constexpr, NAN_BITS: tl.constexpr):
     """int32 bit pattern of float32 ``x`` rounded to nearest even in a float format with ``MBITS``
     mantissa bits, ``EBITS`` exponent bits and exponent bias ``BIAS`` (subnormals included); the
-    magnitude saturates at the pattern ``MAX_MAG`` (448 for e4m3fn, inf for bf16/fp16). Integer
-    arithmetic only, so the GPU and the interpreter give the same bits."""
+    magnitude saturates at the pattern ``MAX_MAG`` (448 for e4m3fn, so +-inf too; inf for bf16/fp16);
+    every NaN becomes ``NAN_BITS``, the format's canonical quiet NaN. Integer arithmetic only, so the
+    GPU and the interpreter give the same bits."""
     bits = x.to(tl.int32, bitcast=True)
     sign = (bits >> 31) & 1
     mag = bits & 0x7FFFFFFF
+    is_nan = mag > 0x7F800000  # (the rounding below overflows int32 for these; the select drops it)
     exp = mag >> 23
     SHIFT: tl.constexpr = 23 - MBITS
     # Normal results: round the float32 mantissa to MBITS bits (a carry moves into the exponent), rebias.
@@ -145,22 +174,28 @@ def _round_to_small_float(x, MBITS: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.
     half = 1 << (drop - 1)
     sub = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
     mag_out = tl.minimum(tl.where(exp < 128 - BIAS, sub, normal), MAX_MAG)
-    return mag_out | (sign << (EBITS + MBITS))
+    return tl.where(is_nan, NAN_BITS, mag_out | (sign << (EBITS + MBITS)))
 
 
 @triton.jit
 def _e4m3_bits(x):
-    return _round_to_small_float(x, 3, 4, 7, 0x7E)
+    return _round_to_small_float(x, 3, 4, 7, 0x7E, 0x7F)
 
 
 @triton.jit
 def _bf16_bits(x):
-    return _round_to_small_float(x, 7, 8, 127, 0x7F80)
+    return _round_to_small_float(x, 7, 8, 127, 0x7F80, 0x7FC0)
 
 
 @triton.jit
 def _f16_bits(x):
-    return _round_to_small_float(x, 10, 5, 15, 0x7C00)
+    return _round_to_small_float(x, 10, 5, 15, 0x7C00, 0x7E00)
+
+
+@triton.jit
+def _canonical_f32(x):
+    """``x`` with every NaN replaced by the canonical float32 NaN 0x7FC00000."""
+    return tl.where(x == x, x, tl.full(x.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -185,7 +220,7 @@ def _store_bytes(ptr, bits, NBYTES: tl.constexpr, mask):
 def _store_converted(ptrs, x, mask, STORE_DTYPE: tl.constexpr):
     """Write float32 ``x``: as float32, or as the int16 bits of bf16 / fp16 (RNE) through an int16 view."""
     if STORE_DTYPE == 0:
-        tl.store(ptrs, x, mask=mask)
+        tl.store(ptrs, _canonical_f32(x), mask=mask)
     elif STORE_DTYPE == 1:
         tl.store(ptrs, _bf16_bits(x).to(tl.int16), mask=mask)
     else:
@@ -211,6 +246,12 @@ def _kv_cache_insert_kernel(
     TILES_P2: tl.constexpr = 4 if KV_FORMAT == 1 else 8
     FP8_DIMS: tl.constexpr = NUM_TILES * TILE
     ROW_BYTES: tl.constexpr = 656 if KV_FORMAT == 1 else 576  # bytes of a token's data row
+    stride_kv_n = tl.cast(stride_kv_n, tl.int64)  # the offset rule (ops/_launch.py)
+    stride_kv_d = tl.cast(stride_kv_d, tl.int64)
+    stride_slot = tl.cast(stride_slot, tl.int64)
+    stride_page = tl.cast(stride_page, tl.int64)
+    stride_row = tl.cast(stride_row, tl.int64)
+    page_size = tl.cast(page_size, tl.int64)  # page_size * 576 passes 2**31 for large fp8_584 pages
     # One program per token: a record is a few hundred bytes, written once.
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i * stride_slot)
@@ -231,7 +272,8 @@ def _kv_cache_insert_kernel(
             cols = t[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [TILES_P2, TILE]
             in_tile = (t < NUM_TILES)[:, None] & (cols >= 0)
             x = _load_as_f32(kv_row + cols * stride_kv_d, in_tile, KV_IS_BF16)
-            amax = tl.max(tl.abs(x), axis=1)
+            ax = tl.abs(x)
+            amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only (NaN, inf: 0)
             # div_rn does not broadcast: both operands get the full shape.
             e4m3_max = tl.full([TILES_P2], 448.0, tl.float32)
             if KV_FORMAT == 1:
@@ -291,6 +333,9 @@ def _kv_cache_gather_kernel(
     STORE_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # slots per program
 ):
+    stride_slots = tl.cast(stride_slots, tl.int64)  # the offset rule (ops/_launch.py); load_kv_cols
+    stride_out_n = tl.cast(stride_out_n, tl.int64)  # widens the cache's strides itself
+    stride_out_d = tl.cast(stride_out_d, tl.int64)
     rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     live = rows < n
     slot = tl.load(slots_ptr + rows * stride_slots, mask=live, other=-1).to(tl.int64)

@@ -8,6 +8,9 @@ Shared rules, applied identically by both backends:
 - a block-table lookup ``block_table[r, c]`` is empty (-1) when ``r`` is outside ``[0, R)``, ``c``
   outside ``[0, M)`` or the block id is negative; nothing out of range is ever read;
 - slots are computed in int64; an int32 output whose slot does not fit in int32 is -1;
+- no intermediate wraps for any input value: counts derived from an int64 position are computed
+  without ``position + 1`` (INT64_MAX would wrap), the int arguments are at most INT32_MAX (checked by
+  the fakes), and ``qo_offset`` saturates at INT32_MIN;
 - Triton integer ``//`` truncates toward zero, so every division here has a non-negative dividend.
 """
 
@@ -19,6 +22,7 @@ from ._launch import KernelLaunch, PlanCache, cdiv
 from ._triton import tl, triton
 
 INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
 _BLOCK_1D = 256  # tokens per program of the 1-D kernels
 _BLOCK_COLS = 128  # index columns per program of the 2-D kernels
 
@@ -78,10 +82,23 @@ def compressed_slot_mapping_torch(query_start_loc, seq_lens, block_table, block_
     out.copy_(_lookup_slots_torch(block_table, req_c, entry, block_size, closes))
 
 
+def _completed_entries_torch(positions: torch.Tensor, ratio: int, width: int) -> torch.Tensor:
+    """``clamp((p + 1) // ratio, 0, width)`` without computing ``p + 1`` (which wraps at INT64_MAX)."""
+    p = positions.clamp(min=0)
+    quotient = torch.div(p, ratio, rounding_mode="floor").clamp(max=width)  # before the + 1 (ratio 1, INT64_MAX)
+    n = quotient + (p - quotient * ratio == ratio - 1).to(torch.int64)
+    return torch.where(positions < 0, 0, n).clamp(max=width)
+
+
+def _window_len_torch(positions: torch.Tensor, window: int) -> torch.Tensor:
+    """``n = p + 1 - max(p - window + 1, 0)``, 0 for ``p < 0``, without wrapping at the int64 ends."""
+    return torch.where(positions < 0, 0, positions.clamp(max=window - 1) + 1)
+
+
 def c128a_topk_indices_torch(positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
                              compress_ratio, block_size, width, *, decode_indices, decode_lens, prefill_indices):
     num_tokens = positions.shape[0]
-    n = torch.div(positions + 1, compress_ratio, rounding_mode="floor").clamp(0, width)
+    n = _completed_entries_torch(positions, compress_ratio, width)
     o = torch.arange(width, device=positions.device, dtype=torch.int64)
     used = o[None, :] < n[:, None]
     d = num_decode_tokens
@@ -97,15 +114,16 @@ def decode_runtime_metadata_torch(seq_lens, decode_query_len, *, kv_segment_lens
     q = decode_query_len
     expanded = seq_lens.repeat_interleave(q)
     kv_segment_lens.copy_(expanded)
-    qo_offset.copy_(expanded - q + torch.arange(q, device=seq_lens.device, dtype=torch.int32).repeat(seq_lens.shape[0]))
+    offset = torch.arange(q, device=seq_lens.device, dtype=torch.int64).repeat(seq_lens.shape[0])
+    qo_offset.copy_((expanded.to(torch.int64) - q + offset).clamp(min=INT32_MIN))
 
 
 def swa_indices_torch(positions, token_to_req, block_table, slot_mapping, window, block_size, *, indices, lens):
     num_tokens = positions.shape[0]
     if num_tokens == 0:
         return
-    start = (positions - window + 1).clamp(min=0)
-    n = (positions + 1 - start).clamp(min=0)
+    n = _window_len_torch(positions, window)
+    start = torch.where(positions < 0, 0, positions - n + 1)
     o = torch.arange(window, device=positions.device, dtype=torch.int64)
     used = o[None, :] < n[:, None]
     slots = _lookup_slots_torch(block_table, token_to_req[:, None], start[:, None] + o[None, :], block_size, used)
@@ -142,12 +160,25 @@ def _lookup_slots(
 ):
     """int64 slot of ``entry`` through row ``req`` of the block table, -1 where empty; never reads out
     of bounds (the load is masked by the same conditions)."""
+    stride_bt_r = tl.cast(stride_bt_r, tl.int64)
+    stride_bt_c = tl.cast(stride_bt_c, tl.int64)
+    block_size = tl.cast(block_size, tl.int64)
     entry_safe = tl.maximum(entry, 0)
     col = entry_safe // block_size
     ok = valid & (entry >= 0) & (col < max_blocks) & (req >= 0) & (req < num_req)
     block = tl.load(block_table_ptr + req * stride_bt_r + col * stride_bt_c, mask=ok, other=-1).to(tl.int64)
     ok = ok & (block >= 0)
     return tl.where(ok, block * block_size + (entry_safe - col * block_size), -1)
+
+
+@triton.jit
+def _completed_entries(pos, compress_ratio, width):
+    """``clamp((pos + 1) // compress_ratio, 0, width)`` for an int64 ``pos`` without computing
+    ``pos + 1``: the quotient of ``max(pos, 0)``, plus one when its remainder is ``ratio - 1``."""
+    pos_safe = tl.maximum(pos, 0)
+    quotient = tl.minimum(pos_safe // compress_ratio, width)  # before the + 1 (ratio 1 at INT64_MAX)
+    n = quotient + ((pos_safe - quotient * compress_ratio) == compress_ratio - 1).to(tl.int64)
+    return tl.minimum(tl.where(pos < 0, 0, n), width)
 
 
 @triton.jit
@@ -160,6 +191,9 @@ def _compressed_slot_mapping_kernel(
     search_steps,  # bit length of R: enough binary-search iterations for R requests
     BLOCK: tl.constexpr,
 ):
+    stride_qsl = tl.cast(stride_qsl, tl.int64)
+    stride_sl = tl.cast(stride_sl, tl.int64)
+    stride_out = tl.cast(stride_out, tl.int64)
     j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = j < num_out
     # Largest r in [0, R) with query_start_loc[r] <= j: every output element finds its request by
@@ -215,12 +249,20 @@ def _c128a_topk_indices_kernel(
     num_decode, num_req, max_blocks, compress_ratio, block_size, width,
     BLOCK: tl.constexpr,
 ):
+    stride_pos = tl.cast(stride_pos, tl.int64)
+    stride_ttr = tl.cast(stride_ttr, tl.int64)
+    stride_sm = tl.cast(stride_sm, tl.int64)
+    stride_di_r = tl.cast(stride_di_r, tl.int64)
+    stride_di_c = tl.cast(stride_di_c, tl.int64)
+    stride_dl = tl.cast(stride_dl, tl.int64)
+    stride_pi_r = tl.cast(stride_pi_r, tl.int64)
+    stride_pi_c = tl.cast(stride_pi_c, tl.int64)
     t = tl.program_id(0).to(tl.int64)  # one token per program row
     pid_c = tl.program_id(1)
     o = pid_c * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     cols = o < width
     pos = tl.load(positions_ptr + t * stride_pos)
-    n = tl.minimum(tl.maximum(pos + 1, 0) // compress_ratio, width)
+    n = _completed_entries(pos, compress_ratio, width)
     used = o < n
     if t < num_decode:
         req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
@@ -265,13 +307,16 @@ def _decode_runtime_metadata_kernel(
     num_rows, decode_query_len,
     BLOCK: tl.constexpr,
 ):
+    stride_sl = tl.cast(stride_sl, tl.int64)
+    stride_kv = tl.cast(stride_kv, tl.int64)
+    stride_qo = tl.cast(stride_qo, tl.int64)
     r = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = r < num_rows
     req = r // decode_query_len
     seq_len = tl.load(seq_lens_ptr + req * stride_sl, mask=live, other=0)
     tl.store(kv_lens_ptr + r * stride_kv, seq_len, mask=live)
-    qo = seq_len - decode_query_len + (r - req * decode_query_len).to(tl.int32)
-    tl.store(qo_offset_ptr + r * stride_qo, qo, mask=live)
+    qo = seq_len.to(tl.int64) - decode_query_len + (r - req * decode_query_len)  # saturates, never wraps
+    tl.store(qo_offset_ptr + r * stride_qo, tl.maximum(qo, -2147483648).to(tl.int32), mask=live)
 
 
 def decode_runtime_metadata_triton(seq_lens, decode_query_len, *, kv_segment_lens, qo_offset):
@@ -300,12 +345,18 @@ def _swa_indices_kernel(
     num_req, max_blocks, window, block_size,
     BLOCK: tl.constexpr,
 ):
+    stride_pos = tl.cast(stride_pos, tl.int64)
+    stride_ttr = tl.cast(stride_ttr, tl.int64)
+    stride_sm = tl.cast(stride_sm, tl.int64)
+    stride_i_r = tl.cast(stride_i_r, tl.int64)
+    stride_i_c = tl.cast(stride_i_c, tl.int64)
+    stride_l = tl.cast(stride_l, tl.int64)
     t = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     o = pid_c * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     pos = tl.load(positions_ptr + t * stride_pos)
-    start = tl.maximum(pos - window + 1, 0)
-    n = tl.maximum(pos + 1 - start, 0)
+    n = tl.where(pos < 0, 0, tl.minimum(pos, window - 1) + 1)  # no pos + 1: INT64_MAX would wrap
+    start = tl.where(pos < 0, 0, pos - n + 1)
     req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
     slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
                          req + tl.zeros_like(o), start + o, o < n, block_size)
@@ -347,6 +398,13 @@ def _compressed_topk_to_global_kernel(
 ):
     # One program per token walks all K columns, so ``lens`` (the last non-empty column + 1) needs
     # no cross-program reduction.
+    stride_li_r = tl.cast(stride_li_r, tl.int64)
+    stride_li_c = tl.cast(stride_li_c, tl.int64)
+    stride_ttr = tl.cast(stride_ttr, tl.int64)
+    stride_sm = tl.cast(stride_sm, tl.int64)
+    stride_i_r = tl.cast(stride_i_r, tl.int64)
+    stride_i_c = tl.cast(stride_i_c, tl.int64)
+    stride_l = tl.cast(stride_l, tl.int64)
     t = tl.program_id(0).to(tl.int64)
     req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
     last = tl.zeros([BLOCK], dtype=tl.int32)

@@ -25,6 +25,8 @@ Triton design (``docs/sparse_mla.md`` has the reasoning and the measured registe
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
@@ -34,10 +36,24 @@ from ._formats import (
     load_fp8_656_scales,
     load_kv_cols,
 )
-from ._launch import LOG2E, LOG2E_CONST, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2
+from ._launch import (
+    DEFAULT_SHARED_BYTES,
+    LOG2E,
+    KernelLaunch,
+    LaunchPlan,
+    PlanCache,
+    cdiv,
+    multiprocessor_count,
+    next_pow2,
+    shared_memory_per_block,
+)
 from ._triton import tl, triton
 from . import sparse_mla_hopper as hopper
 
+FLT_MAX = 3.4028234663852886e38  # the largest finite float32
+LN2 = 0.6931471805599453
+_FLT_MAX = tl.constexpr(FLT_MAX)
+_LN2 = tl.constexpr(LN2)
 _TORCH_CHUNK_ELEMENTS = 1 << 24  # float32 elements of dequantised K (and scores) per CPU chunk of tokens
 _MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split program, so the combine stays cheap
 
@@ -47,38 +63,59 @@ _MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split program, so the combine 
 # =====================================================================================================
 
 
-def _list_candidates_torch(q32, kv_cache, indices, lengths, kv_format, softmax_scale):
-    """Scores ``[t, H, K]`` (``-inf`` where not a candidate) and K rows ``[t, K, D]`` of one list."""
+def softmax_factors(softmax_scale: float) -> tuple[float, float, float]:
+    """``(a, sign, s)`` of the overflow-safe softmax (``docs/sparse_mla.md``): the weight of a candidate
+    is ``exp2(a * (u - max u))`` with ``u = sign * <q, k>``, which equals ``exp(score - max score)``,
+    and ``lse = s * max u + ln(sum of weights)``.
+
+    ``s = min(|softmax_scale|, FLT_MAX)``, ``a = min(s * log2(e), FLT_MAX)`` (float64, then float32)
+    and ``sign`` the sign of the scale; when ``s * log2(e) < 2**-126`` (a zero scale included):
+    ``sign = 0, a = 1``, equal weights. ``a > 0`` always, so ``a * (-inf)`` is never NaN."""
+    s = min(abs(float(softmax_scale)), FLT_MAX)
+    a = s * LOG2E
+    if not a >= 2.0**-126:
+        return 1.0, 0.0, s
+    return min(a, FLT_MAX), (1.0 if softmax_scale > 0 else -1.0), s
+
+
+def _list_candidates_torch(q32, kv_cache, indices, lengths, kv_format):
+    """float32 dot products ``[t, H, K]`` with ``q``, a candidate mask ``[t, K]`` and the K rows
+    ``[t, K, D]`` of one list (rows of non-candidates are 0 and never read)."""
     k = indices.shape[1]
     col = torch.arange(k, device=indices.device)
     used = torch.ones_like(indices, dtype=torch.bool) if lengths is None else col[None, :] < lengths[:, None]
     pages, page_size, _ = kv_cache.shape
     slots = torch.where(used, indices.to(torch.int64), -1)
     valid = (slots >= 0) & (slots < pages * page_size)
-    keys = dequantize_torch(kv_cache, slots, kv_format)  # rows of non-candidates are 0
-    scores = torch.bmm(q32, keys.transpose(1, 2)) * softmax_scale
-    return scores.masked_fill(~valid[:, None, :], float("-inf")), keys
+    keys = dequantize_torch(kv_cache, slots, kv_format)
+    return torch.bmm(q32, keys.transpose(1, 2)), valid, keys
 
 
 def sparse_mla_decode_dense(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=512, topk_length=None,
                             attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
     """The whole operator as one PyTorch expression (gather, dequantise, softmax) in float32:
     returns float32 ``(out [T, H, head_dim_v], lse [T, H])``. The CPU kernel runs it on chunks of
-    tokens; the benchmark compiles it as the reference."""
+    tokens; the benchmark compiles it as the reference. The softmax follows the overflow-safe rule of
+    ``docs/sparse_mla.md``, as the Triton kernel does."""
+    a, sign, s = softmax_factors(softmax_scale)
     q32 = q.to(torch.float32)
-    parts = [_list_candidates_torch(q32, kv_cache, indices, topk_length, kv_format, softmax_scale)]
+    parts = [_list_candidates_torch(q32, kv_cache, indices, topk_length, kv_format)]
     if extra_kv_cache is not None:
-        parts.append(_list_candidates_torch(q32, extra_kv_cache, extra_indices, extra_topk_length, kv_format,
-                                            softmax_scale))
-    scores = torch.cat([s for s, _ in parts], dim=2)
-    values = torch.cat([kv[:, :, :head_dim_v] for _, kv in parts], dim=1)
-    m = scores.amax(dim=2, keepdim=True)
+        parts.append(_list_candidates_torch(q32, extra_kv_cache, extra_indices, extra_topk_length, kv_format))
+    dots = torch.cat([d for d, _, _ in parts], dim=2)
+    valid = torch.cat([v for _, v, _ in parts], dim=1)
+    values = torch.cat([kv[:, :, :head_dim_v] for _, _, kv in parts], dim=1)
+    u = dots * sign
+    u = torch.where(torch.isnan(u), -FLT_MAX, u.clamp(-FLT_MAX, FLT_MAX))
+    u = u.masked_fill(~valid[:, None, :], float("-inf"))
+    m = u.amax(dim=2, keepdim=True)
     m = torch.where(torch.isneginf(m), 0.0, m)  # a token without candidates: all -inf
-    p = torch.exp(scores - m)
+    p = torch.exp2((u - m) * a)
     total = p.sum(dim=2)
     has = total > 0
     out = torch.bmm(p, values) / torch.where(has, total, 1.0)[:, :, None]
-    lse = torch.where(has, torch.log(total) + m[:, :, 0], float("inf"))
+    lse = m[:, :, 0] * s + torch.log2(torch.where(has, total, 1.0)) * LN2
+    lse = torch.where(has, lse.clamp(-FLT_MAX, FLT_MAX), float("inf"))
     if attn_sink is not None:
         out = out * torch.where(has, torch.sigmoid(lse - attn_sink[None, :]), 0.0)[:, :, None]
     return out, lse
@@ -160,14 +197,16 @@ def _attend(
     xidx_row_ptr, x_stride_ik, n_extra,  # this token's extra list and its used length
     blk_lo, blk_hi,  # the blocks of BLOCK_N entries this program walks, numbered across both lists
     nb_main,  # blocks of the main list: block b >= nb_main is block b - nb_main of the extra list
-    qk_scale,  # softmax_scale * log2(e): scores in base 2
+    qk_scale, score_sign,  # softmax_factors(softmax_scale)[:2]: a > 0 and the sign of the scale (or 0)
     BLOCK_H: tl.constexpr, DV: tl.constexpr, PV: tl.constexpr, D: tl.constexpr, PT: tl.constexpr,
     HAS_TAIL: tl.constexpr, BLOCK_N: tl.constexpr, KV_FORMAT: tl.constexpr, FOLD: tl.constexpr,
     V_RAW: tl.constexpr, HAS_EXTRA: tl.constexpr,
 ):
-    """Online softmax over blocks ``[blk_lo, blk_hi)``: ``(acc0..3 [BLOCK_H, PV], m, l [BLOCK_H])``
-    in base 2, ``acc`` not normalised. One loop serves both lists (the block picks its cache and list
-    by scalar selects): a second loop would duplicate the body and double the register pressure."""
+    """Online softmax over blocks ``[blk_lo, blk_hi)``: ``(acc0..3 [BLOCK_H, PV], m, l [BLOCK_H])``,
+    ``acc`` not normalised. ``m`` is the running maximum of the oriented dot products ``u`` and the
+    weights are ``exp2(qk_scale * (u - m))`` (the overflow-safe rule, ``docs/sparse_mla.md``). One loop
+    serves both lists (the block picks its cache and list by scalar selects): a second loop would
+    duplicate the body and double the register pressure."""
     acc0 = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
     acc1 = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
     acc2 = tl.zeros([BLOCK_H, PV], dtype=tl.float32)
@@ -185,7 +224,7 @@ def _attend(
             i_ptr = tl.where(main, idx_row_ptr, xidx_row_ptr)
             i_st = tl.where(main, stride_ik, x_stride_ik)
             n_used = tl.where(main, n_main, n_extra)
-            first = tl.where(main, blk, blk - nb_main) * BLOCK_N
+            first = tl.cast(tl.where(main, blk, blk - nb_main), tl.int64) * BLOCK_N
         else:
             c_ptr = cache_ptr
             c_sp = stride_page
@@ -195,7 +234,7 @@ def _attend(
             i_ptr = idx_row_ptr
             i_st = stride_ik
             n_used = n_main
-            first = blk * BLOCK_N
+            first = tl.cast(blk, tl.int64) * BLOCK_N
         offs = first + tl.arange(0, BLOCK_N)
         in_list = offs < n_used
         slots = tl.load(i_ptr + offs * i_st, mask=in_list, other=-1).to(tl.int64)
@@ -219,11 +258,12 @@ def _attend(
         if HAS_TAIL:
             kt = load_kv_cols(c_ptr, c_sp, c_sr, c_ps, slots, valid, DV, PT, D, KV_FORMAT).to(q0.dtype)
             s = tl.dot(qt, tl.trans(kt), s)
-        s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
+        u = _oriented_scores(s, valid, score_sign)
+        m_new = tl.maximum(m_i, tl.max(u, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
-        alpha = tl.exp2(m_i - m_use)
-        p = tl.exp2(s - m_use[:, None])
+        # u - m <= 0 (or -inf), qk_scale > 0: the exponents never overflow and never give NaN.
+        alpha = tl.exp2((m_i - m_use) * qk_scale)
+        p = tl.exp2((u - m_use[:, None]) * qk_scale)
         l_i = l_i * alpha + tl.sum(p, 1)
         acc0 = _pv(acc0, alpha, p, k0, c0, V_RAW)
         acc1 = _pv(acc1, alpha, p, k1, c1, V_RAW)
@@ -234,11 +274,22 @@ def _attend(
 
 
 @triton.jit
-def _finish_rows(m_i, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK: tl.constexpr):
+def _oriented_scores(s, valid, score_sign):
+    """``u = score_sign * s`` saturated to finite float32 (NaN, from products that overflow both
+    ways, counts as ``-FLT_MAX``); ``-inf`` for entries that are not candidates."""
+    u = s * score_sign
+    u = tl.where(u == u, tl.minimum(tl.maximum(u, -_FLT_MAX), _FLT_MAX), -_FLT_MAX)
+    return tl.where(valid[None, :], u, float("-inf"))
+
+
+@triton.jit
+def _finish_rows(m_i, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK: tl.constexpr):
     """Natural-log ``lse`` [BLOCK_H] and the factor that turns ``acc`` into ``out`` (1/l times the
-    sink's ``1 / (1 + exp(sink - lse))``); rows without a candidate get ``+inf`` and 0."""
-    has = l_i > 0
-    lse = tl.where(has, (m_i + tl.log2(tl.where(has, l_i, 1.0))) / LOG2E_CONST, float("inf"))
+    sink's ``1 / (1 + exp(sink - lse))``); rows without a candidate get ``+inf`` and 0. ``lse`` of a
+    row with candidates saturates at +-FLT_MAX, so ``+inf`` keeps meaning "no candidate"."""
+    has = l_i > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
+    lse = m_i * lse_scale + tl.log2(tl.where(has, l_i, 1.0)) * _LN2  # may overflow to +-inf: saturated next
+    lse = tl.where(has, tl.minimum(tl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
     factor = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if HAS_SINK:
         sink = tl.load(sink_ptr + heads * stride_sink, mask=head_ok, other=float("-inf"))
@@ -274,12 +325,34 @@ def _sparse_mla_decode_kernel(
     out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype (not SPLIT)
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H] (not SPLIT)
     ws_ptr, ws_ml_off,  # SPLIT: float32 workspace: acc [T, S, H, 4 * PV], then (m, l) [T, S, H, 2] at ws_ml_off
-    num_heads, num_head_blocks, num_splits, qk_scale,
+    num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,  # softmax_factors(softmax_scale)
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     DV: tl.constexpr, PV: tl.constexpr, D: tl.constexpr, PT: tl.constexpr, HAS_TAIL: tl.constexpr,
     KV_FORMAT: tl.constexpr, FOLD: tl.constexpr, V_RAW: tl.constexpr, HAS_LEN: tl.constexpr,
     HAS_EXTRA: tl.constexpr, HAS_XLEN: tl.constexpr, HAS_SINK: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    # The offset rule (ops/_launch.py): every stride and page size that enters an address in int64.
+    stride_qt = tl.cast(stride_qt, tl.int64)
+    stride_qh = tl.cast(stride_qh, tl.int64)
+    stride_qd = tl.cast(stride_qd, tl.int64)
+    stride_cp = tl.cast(stride_cp, tl.int64)
+    stride_cr = tl.cast(stride_cr, tl.int64)
+    page_size = tl.cast(page_size, tl.int64)
+    stride_it = tl.cast(stride_it, tl.int64)
+    stride_ik = tl.cast(stride_ik, tl.int64)
+    stride_len = tl.cast(stride_len, tl.int64)
+    stride_xp = tl.cast(stride_xp, tl.int64)
+    stride_xr = tl.cast(stride_xr, tl.int64)
+    x_page_size = tl.cast(x_page_size, tl.int64)
+    stride_xt = tl.cast(stride_xt, tl.int64)
+    stride_xk = tl.cast(stride_xk, tl.int64)
+    stride_xlen = tl.cast(stride_xlen, tl.int64)
+    stride_sink = tl.cast(stride_sink, tl.int64)
+    stride_ot = tl.cast(stride_ot, tl.int64)
+    stride_oh = tl.cast(stride_oh, tl.int64)
+    stride_od = tl.cast(stride_od, tl.int64)
+    stride_lt = tl.cast(stride_lt, tl.int64)
+    stride_lh = tl.cast(stride_lh, tl.int64)
     pid = tl.program_id(0)
     hb = pid % num_head_blocks
     rest = pid // num_head_blocks
@@ -326,7 +399,7 @@ def _sparse_mla_decode_kernel(
         q0, q1, q2, q3, qt,
         cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr + t * stride_it, stride_ik, n_main,
         xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr + t * stride_xt, stride_xk, n_extra,
-        blk_lo, blk_hi, nb_main, qk_scale,
+        blk_lo, blk_hi, nb_main, qk_scale, score_sign,
         BLOCK_H, DV, PV, D, PT, HAS_TAIL, BLOCK_N, KV_FORMAT, FOLD, V_RAW, HAS_EXTRA)
 
     if SPLIT:
@@ -339,7 +412,7 @@ def _sparse_mla_decode_kernel(
         tl.store(ws_ptr + ws_ml_off + row * 2, m_i, mask=head_ok)
         tl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_i, mask=head_ok)
     else:
-        lse, factor = _finish_rows(m_i, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
+        lse, factor = _finish_rows(m_i, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
         tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
         out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
         _store_piece(out_rows, stride_od, acc0, factor, head_ok, 0, PV, DV)
@@ -354,9 +427,15 @@ def _sparse_mla_combine_kernel(
     sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
     out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H]
-    num_heads, num_head_blocks, num_splits,
+    num_heads, num_head_blocks, num_splits, qk_scale, lse_scale,  # softmax_factors(softmax_scale)[0, 2]
     BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
+    stride_sink = tl.cast(stride_sink, tl.int64)  # the offset rule (ops/_launch.py)
+    stride_ot = tl.cast(stride_ot, tl.int64)
+    stride_oh = tl.cast(stride_oh, tl.int64)
+    stride_od = tl.cast(stride_od, tl.int64)
+    stride_lt = tl.cast(stride_lt, tl.int64)
+    stride_lh = tl.cast(stride_lh, tl.int64)
     ws_acc_ptr = ws_ptr
     ws_ml_ptr = ws_ptr + ws_ml_off
     pid = tl.program_id(0)
@@ -376,18 +455,18 @@ def _sparse_mla_combine_kernel(
         row = (t * num_splits + s) * num_heads + heads.to(tl.int64)
         m_s = tl.load(ws_ml_ptr + row * 2, mask=head_ok, other=float("-inf"))
         l_s = tl.load(ws_ml_ptr + row * 2 + 1, mask=head_ok, other=0.0)
-        w = tl.exp2(m_s - m_use)  # 0 for a split without candidates (m_s = -inf)
+        w = tl.exp2((m_s - m_use) * qk_scale)  # 0 for a split without candidates (m_s = -inf)
         l_i += l_s * w
         a = tl.load(ws_acc_ptr + row[:, None] * DV_PAD + cols[None, :], mask=head_ok[:, None], other=0.0)
         acc += a * w[:, None]
-    lse, factor = _finish_rows(m_use, l_i, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
+    lse, factor = _finish_rows(m_use, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
     tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
     out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
     _store_piece(out_rows, stride_od, acc, factor, head_ok, 0, DV_PAD, DV)
 
 
-def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
-                num_splits: int | None = None) -> LaunchPlan:
+def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None, *,
+                dim: int = 576, head_dim_v: int = 512, shared_bytes: int = DEFAULT_SHARED_BYTES) -> LaunchPlan:
     """Launch configuration of the portable kernel, from shapes only (no autotune: it would re-run
     inside CUDA-graph capture).
 
@@ -399,23 +478,57 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
       docs/benchmarks.md); 4 warps, 16-entry blocks and 128-head blocks (16 warps) measured slower.
     - split-K when ``T * head_blocks`` programs do not fill the SMs, keeping at least
       ``_MIN_BLOCKS_PER_SPLIT`` candidate blocks per split.
+    - Head dims past the model's (``D`` up to ``MAX_CUDA_DIM`` = 2048, checked by the fake):
+      ``block_h`` shrinks until the accumulator stays at 128 registers per thread, then ``block_n``
+      and ``block_h`` halve (down to 16) until the Q and K tiles fit the shared memory
+      (:func:`shared_bytes_estimate`); the model shapes (D = 576 / 512) keep the configuration above. ``ValueError`` if even 16 x 16 tiles do not
+      fit ``shared_bytes``.
     """
+    pv, pt, has_tail = _pieces(dim, head_dim_v)
     block_h = min(64, max(16, next_pow2(num_heads)))
-    head_blocks = cdiv(num_heads, block_h)
-    programs = max(num_tokens * head_blocks, 1)
+    while block_h > 16 and block_h * 4 * pv > 64 * 512:
+        block_h //= 2
 
-    def splits_for(block_n: int) -> int:
+    def head_blocks_for(bh: int) -> int:
+        return cdiv(num_heads, bh)
+
+    def splits_for(bh: int, block_n: int) -> int:
         blocks = cdiv(k_total, block_n)
+        programs = max(num_tokens * head_blocks_for(bh), 1)
         return max(1, min(cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
 
     # 64-entry blocks keep more cache rows in flight (measured on an H200: 16-40% faster at T >= 128,
     # docs/benchmarks.md), unless halving the block count leaves too few split programs to fill the
     # SMs (T = 4, H = 128: 32-entry blocks run 25% faster).
-    block_n = 64 if programs * splits_for(64) >= num_sms else 32
+    programs = max(num_tokens * head_blocks_for(block_h), 1)
+    block_n = 64 if programs * splits_for(block_h, 64) >= num_sms else 32
+    while shared_bytes_estimate(block_h, block_n, dim, head_dim_v) > shared_bytes:
+        if block_n > 16:
+            block_n //= 2
+        elif block_h > 16:
+            block_h //= 2
+        else:
+            raise ValueError(
+                f"sparse_mla_decode: D = {dim} with head_dim_v = {head_dim_v} needs "
+                f"{shared_bytes_estimate(16, 16, dim, head_dim_v)} bytes of shared memory per block even with "
+                f"16 x 16 tiles; this GPU allows {shared_bytes}")
     if num_splits is None:
-        num_splits = splits_for(block_n)
-    return LaunchPlan(block_h=block_h, head_blocks=head_blocks, block_n=block_n, num_splits=num_splits,
-                      num_warps=8, num_stages=2)
+        num_splits = splits_for(block_h, block_n)
+    return LaunchPlan(block_h=block_h, head_blocks=head_blocks_for(block_h), block_n=block_n,
+                      num_splits=num_splits, num_warps=8, num_stages=2)
+
+
+def shared_bytes_estimate(block_h: int, block_n: int, dim: int, head_dim_v: int) -> int:
+    """Shared memory of the decode kernel (an upper estimate): the Q tile ``[block_h, W]`` and the K
+    tile ``[block_n, W]`` in 16-bit values, ``W = 4 * PV + PT`` (the padded dims), plus a margin; with
+    V pieces wider than 128 dims (``head_dim_v > 512``) the compiled kernel also needs about one
+    ``[block_n, PV]`` 16-bit piece of layout-conversion scratch. Checked against the sm_90 compile
+    (``scripts/compile_sm90.py``, Triton 3.7; docs/sparse_mla.md has the table): the model shapes are
+    within the 4 KB margin at 64 heads, where both tiles are staged for ``wgmma``."""
+    pv, pt, has_tail = _pieces(dim, head_dim_v)
+    width = 4 * pv + (pt if has_tail else 0)
+    scratch = block_n * pv * 2 if pv > 128 else 0
+    return (block_h + block_n) * width * 2 + scratch + 4096
 
 
 def _pieces(dim: int, head_dim_v: int) -> tuple[int, int, bool]:
@@ -438,6 +551,7 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
     num_tokens, num_heads, dim = q.shape
     pv, pt, has_tail = _pieces(dim, head_dim_v)
     splits = plan.num_splits
+    factors = softmax_factors(softmax_scale)
     ws_ml_off = num_tokens * splits * num_heads * 4 * pv
     ws_numel = ws_ml_off + num_tokens * splits * num_heads * 2 if splits > 1 else 0
     has_extra = extra_kv_cache is not None
@@ -460,7 +574,7 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
         out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse.stride(0), lse.stride(1),
         lse, ws_ml_off,  # the workspace
-        num_heads, plan.head_blocks, splits, float(softmax_scale) * LOG2E,
+        num_heads, plan.head_blocks, splits, *factors,
     )
     fold = kv_format == "fp8_656" and head_dim_v == 512  # the four V pieces are the four scale groups
     meta = dict(
@@ -474,10 +588,10 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
     if splits == 1:
         return ws_numel, main, None
     return ws_numel, main, _make_combine(num_tokens, num_heads, head_dim_v, 4 * pv, splits, ws_ml_off, attn_sink,
-                                         out, lse)
+                                         out, lse, factors)
 
 
-def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, attn_sink, out, lse):
+def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, attn_sink, out, lse, factors):
     """The combine launch of a split plan (both decode kernels write the same workspace layout);
     tensors in the order ``ws, sink, out, lse`` (``lse`` holds the places of the workspace and of an
     absent sink here)."""
@@ -487,7 +601,7 @@ def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, 
     return KernelLaunch(
         _sparse_mla_combine_kernel, (num_tokens * head_blocks_c,),
         (lse, ws_ml_off, sink, sink.stride(0), out, out.stride(0), out.stride(1), out.stride(2),
-         lse, lse.stride(0), lse.stride(1), num_heads, head_blocks_c, splits),
+         lse, lse.stride(0), lse.stride(1), num_heads, head_blocks_c, splits, factors[0], factors[2]),
         dict(BLOCK_H=block_hc, DV=head_dim_v, DV_PAD=dv_pad, HAS_SINK=attn_sink is not None),
         num_warps=4, device=out.device)
 
@@ -495,14 +609,14 @@ def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, 
 def _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink, extra_kv_cache,
                           extra_indices, extra_topk_length, out, lse, plan: LaunchPlan):
     num_tokens, num_heads, _ = q.shape
-    main = hopper.make_launch(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink,
+    main = hopper.make_launch(q, kv_cache, indices, softmax_factors(softmax_scale), kv_format, topk_length, attn_sink,
                               extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
     if plan.num_splits == 1:
         return 0, main, None
     ws_ml_off = num_tokens * plan.num_splits * num_heads * 512
     ws_numel = ws_ml_off + num_tokens * plan.num_splits * num_heads * 2
     return ws_numel, main, _make_combine(num_tokens, num_heads, 512, 512, plan.num_splits, ws_ml_off, attn_sink, out,
-                                         lse)
+                                         lse, softmax_factors(softmax_scale))
 
 
 def kernel_path(q, kv_cache, kv_format="auto", head_dim_v=512, extra_kv_cache=None) -> str:

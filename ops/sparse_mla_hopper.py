@@ -44,7 +44,7 @@ from __future__ import annotations
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
-from ._launch import LOG2E, LOG2E_CONST, KernelLaunch, LaunchPlan, cdiv
+from ._launch import KernelLaunch, LaunchPlan, cdiv
 from ._triton import HAS_TRITON
 
 HAS_GLUON = False
@@ -74,6 +74,8 @@ _WORKER_REGS = (208, 80)
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
     _BN = gl.constexpr(BLOCK_N)
+    _FLT_MAX = gl.constexpr(3.4028234663852886e38)
+    _LN2 = gl.constexpr(0.6931471805599453)
 
     # e4m3 -> bf16 for 4 bytes with integer instructions: each byte goes to the high byte of a 16-bit lane,
     # the sign stays in bit 15 and exponent+mantissa shift right by 4, which is the bf16 of the value times
@@ -192,7 +194,7 @@ if HAS_GLUON:
             stride_xk, HAS_EXTRA)
         offs = first + gl.arange(0, _BN, layout=gl.SliceLayout(1, G8))
         in_list = offs < n_used
-        return gl.load(i_ptr + offs * i_st, mask=in_list, other=-1)
+        return gl.load(i_ptr + offs.to(gl.int64) * i_st, mask=in_list, other=-1)
 
     @gluon.jit
     def _issue_block(
@@ -385,7 +387,7 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
 
     @gluon.jit
-    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
+    def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale, score_sign,
                 K0: gl.constexpr, NK: gl.constexpr, WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
         """Online softmax over keys ``[K0, K0 + NK)`` of a ring stage: ``(o0, o1, m_i, l_i)`` updated."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NK, 16])
@@ -424,12 +426,16 @@ if HAS_GLUON:
                     s = warpgroup_mma(qn.slice(64 * c, 64, dim=1), keys.slice(64 * c, 64, dim=1).permute((1, 0)), s,
                                       is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
+        # The overflow-safe softmax of docs/sparse_mla.md: u = sign * <q, k> saturated to finite float32
+        # (NaN from products overflowing both ways counts as -FLT_MAX), weights exp2(a * (u - max u)).
         valid = valid_smem.index(stage).slice(K0, NK).load(COLS) != 0
-        s = gl.where(valid[None, :], s * qk_scale, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        u = s * score_sign
+        u = gl.where(u == u, gl.minimum(gl.maximum(u, -_FLT_MAX), _FLT_MAX), -_FLT_MAX)
+        u = gl.where(valid[None, :], u, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(u, axis=1))
         m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
-        alpha = gl.exp2(m_i - m_use)
-        p = gl.exp2(s - m_use[:, None])
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
+        p = gl.exp2((u - m_use[:, None]) * qk_scale)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         if FOLD:
@@ -455,7 +461,7 @@ if HAS_GLUON:
         out_ptr, stride_ot, stride_oh, stride_od,
         lse_ptr, stride_lt, stride_lh,
         ws_ptr, ws_ml_off,
-        num_heads, num_head_blocks, num_splits, qk_scale,
+        num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
         WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
     ):
@@ -482,7 +488,7 @@ if HAS_GLUON:
             kr = krope.index(stage)
             for k0 in gl.static_range(0, _BN, NK):
                 o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                                           k0, NK, WG, FOLD, D)
+                                           score_sign, k0, NK, WG, FOLD, D)
             mbarrier.arrive(empty.index(stage))
 
         heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, O_L))
@@ -500,18 +506,20 @@ if HAS_GLUON:
                 gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
         else:
-            has = l_o > 0
-            lse = gl.where(has, (m_o + gl.log2(gl.where(has, l_o, 1.0))) / LOG2E_CONST, float("inf"))
+            has = l_o > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
+            lse = m_o * lse_scale + gl.log2(gl.where(has, l_o, 1.0)) * _LN2
+            lse = gl.where(has, gl.minimum(gl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
             factor = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
             if HAS_SINK:
-                sink = gl.load(sink_ptr + heads * stride_sink, mask=head_ok, other=float("-inf"))
+                sink = gl.load(sink_ptr + heads.to(gl.int64) * stride_sink, mask=head_ok, other=float("-inf"))
                 factor = gl.where(has, factor / (1.0 + gl.exp(sink - gl.where(has, lse, 0.0))), 0.0)
             out_rows = (out_ptr + t * stride_ot + heads.to(gl.int64)[:, None] * stride_oh
-                        + (256 * WG + cols[None, :]) * stride_od)
+                        + (256 * WG + cols[None, :]).to(gl.int64) * stride_od)
             gl.store(out_rows, (o0 * factor[:, None]).to(gl.bfloat16), mask=head_ok[:, None])
-            gl.store(out_rows + 128 * stride_od, (o1 * factor[:, None]).to(gl.bfloat16), mask=head_ok[:, None])
+            gl.store(out_rows + 128 * gl.cast(stride_od, gl.int64), (o1 * factor[:, None]).to(gl.bfloat16),
+                     mask=head_ok[:, None])
             if WG == 0:
-                gl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+                gl.store(lse_ptr + t * stride_lt + heads.to(gl.int64) * stride_lh, lse, mask=head_ok)
 
     @gluon.jit
     def _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D: gl.constexpr):
@@ -519,12 +527,15 @@ if HAS_GLUON:
         G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
         heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, G16))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
-        rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh + cols[None, :] * stride_qd
+        # int64 offsets: a permuted q's strides can make col * stride pass 2^31 (docs/operators.md)
+        col_offs = cols.to(gl.int64)[None, :] * stride_qd
+        rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh
         ok = (heads < num_heads)[:, None]
         for c in gl.static_range(8):
-            qn.slice(64 * c, 64, dim=1).store(gl.load(rows + 64 * c * stride_qd, mask=ok, other=0.0))
+            qn.slice(64 * c, 64, dim=1).store(gl.load(rows + col_offs + (64 * c) * gl.cast(stride_qd, gl.int64), mask=ok,
+                                                      other=0.0))
         if D == 576:
-            qr.store(gl.load(rows + 512 * stride_qd, mask=ok, other=0.0))
+            qr.store(gl.load(rows + col_offs + 512 * gl.cast(stride_qd, gl.int64), mask=ok, other=0.0))
         fence_async_shared()
 
     @gluon.jit
@@ -540,7 +551,8 @@ if HAS_GLUON:
         out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, 512] bf16 (not SPLIT)
         lse_ptr, stride_lt, stride_lh,  # float32 [T, H] (not SPLIT)
         ws_ptr, ws_ml_off,  # SPLIT: float32 acc [T, S, H, 512], then (m, l) [T, S, H, 2] at ws_ml_off
-        num_heads, num_head_blocks, num_splits, qk_scale,
+        num_heads, num_head_blocks, num_splits,
+        qk_scale, score_sign, lse_scale,  # softmax_factors(softmax_scale) of ops/sparse_mla.py
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
         WORKER_REGS: gl.constexpr,
@@ -568,13 +580,13 @@ if HAS_GLUON:
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
-                          ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
+                          ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
                           0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
              (_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
-                          ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
+                          ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
                           1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
              (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
@@ -633,7 +645,7 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
                       num_warps=4, num_stages=1)
 
 
-def make_launch(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink, extra_kv_cache, extra_indices,
+def make_launch(q, kv_cache, indices, factors, kv_format, topk_length, attn_sink, extra_kv_cache, extra_indices,
                 extra_topk_length, out, lse, plan: LaunchPlan) -> KernelLaunch:
     """The main launch of one plan, taking the tensors in the order of ``ops/sparse_mla.py``'s launcher
     (``q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse, ws``); with ``plan.num_splits > 1``
@@ -661,7 +673,7 @@ def make_launch(q, kv_cache, indices, softmax_scale, kv_format, topk_length, att
         out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse.stride(0), lse.stride(1),
         lse, ws_ml_off,  # the workspace
-        num_heads, plan.head_blocks, splits, float(softmax_scale) * LOG2E,
+        num_heads, plan.head_blocks, splits, *factors,
     )
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,

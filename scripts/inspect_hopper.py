@@ -46,7 +46,7 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
             signature[n] = "constexpr"
         elif n in pointer_types:
             signature[n] = pointer_types[n]
-        elif n == "qk_scale":
+        elif n in ("qk_scale", "score_sign", "lse_scale"):
             signature[n] = "fp32"
         else:
             signature[n] = "i32"

@@ -10,9 +10,14 @@ import torch
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
-requires_cuda = pytest.mark.skipif(
-    not HAS_CUDA, reason="needs a CUDA GPU (on one, bash scripts/gpu_suite.sh runs the whole suite)"
+_skip_without_cuda = pytest.mark.skipif(
+    not HAS_CUDA, reason="needs a CUDA GPU: on one, bash scripts/gpu_suite.sh runs the whole suite"
 )
+
+
+def requires_cuda(test):
+    """Marks a GPU test: skipped without CUDA, selected by ``-m cuda`` (scripts/sanitize.sh)."""
+    return pytest.mark.cuda(_skip_without_cuda(test))
 requires_interpreter = pytest.mark.skipif(
     not INTERPRETER,
     reason="Triton interpreter parity runs where TRITON_INTERPRET=1 was set before import (CPU machines, CI)",

@@ -15,6 +15,11 @@ FORMATS = ("auto", "fp8_656", "fp8_584")
 DIM = {"fp8_656": 576, "fp8_584": 512}
 TOKEN_BYTES = {"fp8_656": 656, "fp8_584": 584}
 E4M3_MAX = 448.0
+# Non-finite values (docs/kv_cache.md): a tile's amax ignores NaN and +-inf, +-inf saturates to +-448 in
+# e4m3fn, and every NaN is stored as the format's canonical quiet NaN (sign and payload dropped).
+CANONICAL_NAN = {torch.float8_e4m3fn: 0x7F, torch.bfloat16: 0x7FC0, torch.float16: 0x7E00, torch.float32: 0x7FC00000}
+_BITS = {torch.float8_e4m3fn: torch.uint8, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+         torch.float32: torch.int32}
 
 
 def _f32(x: float) -> float:
@@ -27,8 +32,23 @@ def _page_bytes(kv_cache: torch.Tensor, page: int) -> torch.Tensor:
     return torch.as_strided(kv_cache, (nbytes,), (1,), kv_cache.storage_offset() + page * kv_cache.stride(0))
 
 
+def stored(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``values`` rounded to ``dtype`` (nearest even), NaN as the canonical pattern, one at a time."""
+    out = values.to(dtype).clone()
+    bits = out.view(_BITS[dtype])
+    for i, v in enumerate(values.reshape(-1).tolist()):
+        if math.isnan(v):
+            bits.view(-1)[i] = CANONICAL_NAN[dtype]
+    return out
+
+
 def _e4m3_bytes(values: torch.Tensor) -> torch.Tensor:
-    return values.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return stored(values.to(torch.float32).clamp(-E4M3_MAX, E4M3_MAX), torch.float8_e4m3fn).view(torch.uint8)
+
+
+def _amax(tile: torch.Tensor) -> float:
+    """Largest finite magnitude of a tile (NaN and +-inf ignored)."""
+    return max([abs(v) for v in tile.tolist() if math.isfinite(v)], default=0.0)
 
 
 def _ue8m0_exponent(amax: float) -> int:
@@ -45,26 +65,26 @@ def encode(x: torch.Tensor, kv_format: str) -> dict:
         fp8, scales = [], []
         for j in range(4):
             tile = x[128 * j : 128 * (j + 1)]
-            amax_over_max = (tile.abs().max() / torch.tensor(E4M3_MAX)).item()  # float32 division
+            amax_over_max = (torch.tensor(_amax(tile), dtype=torch.float32) / torch.tensor(E4M3_MAX)).item()
             scale = _f32(max(amax_over_max, 1.1754944e-38))
             scales.append(scale)
             fp8.append(_e4m3_bytes(tile / torch.tensor(scale, dtype=torch.float32)))
         return {
             "fp8": torch.cat(fp8),
             "scales": torch.tensor(scales, dtype=torch.float32).view(torch.uint8),
-            "bf16": x[512:576].to(torch.bfloat16).view(torch.uint8),
+            "bf16": stored(x[512:576], torch.bfloat16).view(torch.uint8),
         }
     if kv_format == "fp8_584":
         fp8, exps = [], []
         for j in range(7):
             tile = x[64 * j : 64 * (j + 1)]
-            e = _ue8m0_exponent(tile.abs().max().item())
+            e = _ue8m0_exponent(_amax(tile))
             exps.append(min(max(e + 127, 0), 255))
             fp8.append(_e4m3_bytes(tile * (2.0 ** -e)))
         return {
             "fp8": torch.cat(fp8),
             "exponents": torch.tensor(exps + [0], dtype=torch.uint8),
-            "bf16": x[448:512].to(torch.bfloat16).view(torch.uint8),
+            "bf16": stored(x[448:512], torch.bfloat16).view(torch.uint8),
         }
     raise ValueError(kv_format)
 
@@ -73,7 +93,7 @@ def write_slot(kv_cache: torch.Tensor, slot: int, x: torch.Tensor, kv_format: st
     page_size = kv_cache.shape[1]
     page, row = divmod(slot, page_size)
     if kv_format == "auto":
-        kv_cache[page, row] = x.to(kv_cache.dtype)
+        kv_cache[page, row] = stored(x, kv_cache.dtype)
         return
     f = encode(x, kv_format)
     b = _page_bytes(kv_cache, page)
@@ -108,7 +128,8 @@ def read_slot(kv_cache: torch.Tensor, slot: int, kv_format: str) -> torch.Tensor
     vals = b[base : base + 448].clone().view(torch.float8_e4m3fn).to(torch.float64)
     s = 576 * page_size + 8 * row
     exps = b[s : s + 7].to(torch.float64)
-    vals = vals * torch.pow(2.0, exps - 127).repeat_interleave(64)
+    # The scale is the float32 2 ** (byte - 127): byte 255 is inf (so 0 * it is NaN), byte 0 a subnormal.
+    vals = vals * torch.pow(2.0, exps - 127).to(torch.float32).to(torch.float64).repeat_interleave(64)
     rope = b[base + 448 : base + 576].clone().view(torch.bfloat16).to(torch.float64)
     return torch.cat([vals, rope])
 

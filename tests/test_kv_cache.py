@@ -83,7 +83,33 @@ def naive_gather(cache: torch.Tensor, slots: torch.Tensor, kv_format: str, dtype
     rows = [ref.read_slot(cache, s, kv_format) if 0 <= s < num_slots else torch.zeros(dim, dtype=torch.float64)
             for s in slots.tolist()]
     out = torch.stack(rows) if rows else torch.zeros(0, dim, dtype=torch.float64)
-    return out.to(torch.float32).to(dtype)
+    return ref.stored(out.to(torch.float32), dtype)
+
+
+# NaN bit patterns beyond the default one: negative, payloads, signalling, CUDA's all-ones mantissa.
+_NAN_PATTERNS = {F32: [0x7FFFFFFF, -0x00400000, 0x7F800001, 0x7FC00001], BF16: [0x7FFF, -0x003F, 0x7F81],
+                 F16: [0x7E01, -0x0200, 0x7C01]}
+
+
+def make_non_finite_kv(n: int, dim: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """``make_kv`` rows with NaN (of several bit patterns) and +-inf: row 0 one NaN and one inf among
+    finite values in the first tiles and in the last (bf16) dims, row 1 a whole 64-value tile of NaN,
+    row 2 a tile of zeros and -inf, row 3 nothing but NaN."""
+    x = make_kv(n, dim, F32, seed)
+    x[0, 3], x[0, 70], x[0, 200], x[0, dim - 1], x[0, dim - 2] = float("nan"), float("inf"), float("-inf"), \
+        float("nan"), float("inf")
+    x[1, 64:128] = float("nan")
+    x[2, 128:192] = 0.0
+    x[2, 130] = float("-inf")
+    x[3] = float("nan")
+    x = x.to(dtype)
+    bits = x.view({F32: torch.int32, BF16: torch.int16, F16: torch.int16}[dtype])
+    nan_positions = torch.isnan(x).nonzero().tolist()
+    for k, (i, j) in enumerate(nan_positions):
+        patterns = _NAN_PATTERNS[dtype]
+        bits[i, j] = patterns[k % len(patterns)]
+    assert torch.isnan(x).sum() == len(nan_positions)
+    return x
 
 
 def cache_for(kv_format: str, layout: str, *, dim: int = 576, dtype=BF16, device="cpu"):
@@ -198,6 +224,73 @@ def test_gather_matches_reference(kv_format, slot_dtype, dtype):
     assert wide[:, :3].isnan().all() and wide[:, 3 + FMT_DIM[kv_format]:].isnan().all()
 
 
+@pytest.mark.parametrize("kv_dtype", list(FLOATS), ids=lambda d: f"kv_{d}")
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_insert_non_finite(kv_format, kv_dtype):
+    """NaN stays NaN (canonical bits), +-inf saturates in e4m3fn and stays inf in bf16, and neither
+    moves a tile's scale: the finite values of a tile quantise as without them."""
+    cache, want = cache_for(kv_format, "ps3-pad7"), cache_for(kv_format, "ps3-pad7")
+    kv = make_non_finite_kv(5, FMT_DIM[kv_format], FLOATS[kv_dtype], seed=40)
+    slots = torch.tensor([0, 4, 7, 11, 5])
+    tsm.kv_cache_insert(kv, slots, cache, kv_format=kv_format)
+    naive_insert(want, kv, slots, kv_format)
+    assert_same_bytes(cache, want)
+    got = tsm.kv_cache_gather(cache, slots, kv_format=kv_format, dtype=F32)
+    assert torch.equal(torch.isnan(got), torch.isnan(kv.float()))  # NaN exactly where it was
+    if kv_format != "auto":
+        finite = torch.isfinite(kv.float())
+        quantised = 512 if kv_format == "fp8_656" else 448
+        e4m3 = got[:, :quantised]
+        assert torch.isfinite(e4m3[~torch.isnan(kv.float()[:, :quantised])]).all()  # inf saturated, finite scales
+        assert torch.isinf(got[0, -2]) and got[0, -2] > 0  # the bf16 dims keep infinities
+        plain = make_kv(5, FMT_DIM[kv_format], FLOATS[kv_dtype], seed=40)
+        clean = cache_for(kv_format, "ps3-pad7")
+        tsm.kv_cache_insert(torch.where(finite, kv, plain), slots, clean, kv_format=kv_format)
+        row_0 = tsm.kv_cache_gather(clean, slots[:1], kv_format=kv_format, dtype=F32)[0]
+        assert torch.equal(got[0, 130:200], row_0[130:200])  # tile 2 of row 0 is finite in both
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["out_bf16", "out_fp16", "out_fp32"])
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_gather_non_finite(kv_format, dtype):
+    """Non-finite cache contents gather to canonical NaN / inf in every output dtype: e4m3 NaN bytes,
+    NaN and inf scales (fp8_656), exponent byte 255 (fp8_584: 0 * inf is NaN), NaN bf16 patterns."""
+    cache = non_finite_cache(kv_format)
+    slots = torch.arange(6)
+    want = naive_gather(cache, slots, kv_format, dtype)
+    got = tsm.kv_cache_gather(cache, slots, kv_format=kv_format, dtype=dtype)
+    assert torch.isnan(got).any() and torch.isinf(got).any()
+    assert torch.equal(int_bits(got), int_bits(want))
+
+
+def int_bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({F32: torch.int32, BF16: torch.int16, F16: torch.int16}[t.dtype])
+
+
+def non_finite_cache(kv_format: str) -> torch.Tensor:
+    """A 2 x 3 cache whose slots 0-5 hold finite records with non-finite bytes written into them."""
+    cache = cache_for(kv_format, "ps3-pad7", dtype=F16 if kv_format == "auto" else BF16)
+    kv = make_kv(6, FMT_DIM[kv_format], F32, seed=41)
+    kv[1] = float("inf")  # a record of +inf (auto: inf; fp8: 448 * the scale of finite amax 0)
+    ref.fill_cache(cache, range(6), kv, kv_format)
+    if kv_format == "auto":
+        bits = cache.view(torch.int16)
+        bits[0, 0, 5], bits[0, 2, 7], bits[1, 0, 1] = 0x7E01, -0x0200, 0x7C01  # fp16 NaNs of several kinds
+        return cache
+    page = lambda p: torch.as_strided(cache, (cache.shape[1] * cache.shape[2],), (1,),  # noqa: E731
+                                      cache.storage_offset() + p * cache.stride(0))
+    p0 = page(0)
+    p0[5], p0[700] = 0x7F, 0xFF  # e4m3 NaN, +-
+    if kv_format == "fp8_656":
+        p0[656 + 512:656 + 516] = torch.tensor([float("nan")]).view(torch.uint8)  # slot 1: NaN scale of tile 0
+        p0[2 * 656 + 516:2 * 656 + 520] = torch.tensor([float("inf")]).view(torch.uint8)  # slot 2: inf scale
+        p0[600:602] = torch.tensor([0x7FFF], dtype=torch.int16).view(torch.uint8)  # slot 0: a bf16 NaN
+    else:
+        p0[3 * 576 + 8 * 2 + 1] = 255  # slot 2, tile 1: exponent byte 255 (an inf scale)
+        p0[500:502] = torch.tensor([-0x003F], dtype=torch.int16).view(torch.uint8)  # slot 0: a bf16 NaN
+    return cache
+
+
 def test_gather_empty():
     cache = cache_for("fp8_584", "ps64")
     assert tsm.kv_cache_gather(cache, torch.empty(0, dtype=torch.int32), kv_format="fp8_584").shape == (0, 512)
@@ -260,6 +353,28 @@ def test_interpreter_insert(case):
     assert_same_bytes(cache, want)
     naive_insert(want, kv, slots, kv_format)  # and the torch kernel agrees with the reference here too
     assert_same_bytes(cache, want)
+
+
+@requires_interpreter
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy's warnings about NaN and inf arithmetic
+@pytest.mark.parametrize("kv_dtype", list(FLOATS), ids=lambda d: f"kv_{d}")
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_interpreter_non_finite(kv_format, kv_dtype):
+    """The Triton kernels store the same canonical NaN and saturated bytes as the reference, and
+    gather non-finite contents to the same bits."""
+    cache_dtype = F32 if kv_dtype == "bf16" else BF16
+    cache = cache_for(kv_format, "ps3-pad7", dtype=cache_dtype)
+    want = cache_for(kv_format, "ps3-pad7", dtype=cache_dtype)
+    kv = make_non_finite_kv(5, FMT_DIM[kv_format], FLOATS[kv_dtype], seed=42)
+    slots = torch.tensor([0, 4, 7, 11, 5])
+    kernels.kv_cache_insert_triton(kv, slots, cache, kv_format)
+    naive_insert(want, kv, slots, kv_format)
+    assert_same_bytes(cache, want)
+    source = non_finite_cache(kv_format)
+    for dtype in (BF16, F16, F32):
+        got = poison(torch.empty(6, FMT_DIM[kv_format], dtype=dtype))
+        kernels.kv_cache_gather_triton(source, torch.arange(6), kv_format, dtype, out=got)
+        assert torch.equal(int_bits(got), int_bits(naive_gather(source, torch.arange(6), kv_format, dtype)))
 
 
 @requires_interpreter
@@ -348,48 +463,113 @@ def test_compile_no_recompiles():
 # =====================================================================================================
 
 
-def test_errors():
-    kv = torch.zeros(4, 576, dtype=BF16)
-    slots = torch.zeros(4, dtype=torch.int64)
-    c656 = cache_for("fp8_656", "ps64")
-    c584 = cache_for("fp8_584", "ps64")
-    with pytest.raises(ValueError, match=r"kv_format: expected one of 'auto', 'fp8_656', 'fp8_584', got 'fp8'"):
-        tsm.kv_cache_insert(kv, slots, c656, kv_format="fp8")
-    with pytest.raises(ValueError, match=r"kv: expected dtype bfloat16 or float16 or float32, got int32"):
-        tsm.kv_cache_insert(kv.int(), slots, c656, kv_format="fp8_656")
-    with pytest.raises(ValueError, match=r"kv: expected shape\[1\] == the cache's latent dimension D \(512\)"):
-        tsm.kv_cache_insert(kv, slots, c584, kv_format="fp8_584")
-    with pytest.raises(ValueError, match=r"slot_mapping: expected dtype int64, got int32"):
-        tsm.kv_cache_insert(kv, slots.int(), c656, kv_format="fp8_656")
-    with pytest.raises(ValueError, match=r"slot_mapping: expected shape\[0\] == kv.shape\[0\] \(4\), got shape \(3,\)"):
-        tsm.kv_cache_insert(kv, slots[:3], c656, kv_format="fp8_656")
-    with pytest.raises(ValueError, match=r"kv_cache: expected dtype uint8, got bfloat16"):
-        tsm.kv_cache_insert(kv, slots, torch.zeros(2, 4, 656, dtype=BF16), kv_format="fp8_656")
-    with pytest.raises(ValueError, match=r"kv_cache: expected shape\[-1\] == 656"):
-        tsm.kv_cache_insert(kv, slots, c584, kv_format="fp8_656")
-    with pytest.raises(ValueError, match=r"kv_cache: expected stride\(1\) == 656 for fp8_656"):
-        tsm.kv_cache_insert(kv, slots, torch.zeros(2, 4, 700, dtype=torch.uint8)[:, :, :656], kv_format="fp8_656")
-    overlapping = torch.as_strided(torch.zeros(5000, dtype=torch.uint8), (3, 4, 584), (1000, 584, 1))
-    with pytest.raises(ValueError, match=r"kv_cache: expected stride\(0\) >= page_size \* 584"):
-        tsm.kv_cache_gather(overlapping, slots, kv_format="fp8_584")
-    with pytest.raises(ValueError, match=r"kv_cache: expected stride\(-1\) == 1"):
-        tsm.kv_cache_insert(kv, slots, torch.zeros(2, 4, 1152, dtype=BF16)[:, :, ::2], kv_format="auto")
-    with pytest.raises(ValueError, match=r"kv_cache: expected dtype bfloat16 or float16 or float32, got int8"):
-        tsm.kv_cache_gather(torch.zeros(2, 4, 576, dtype=torch.int8), slots, kv_format="auto")
-    with pytest.raises(ValueError, match=r"slots: expected dtype int32 or int64, got float32"):
-        tsm.kv_cache_gather(c656, slots.float(), kv_format="fp8_656")
-    with pytest.raises(ValueError, match=r"slots: expected a 1-D tensor, got shape \(2, 2\)"):
-        tsm.kv_cache_gather(c656, slots.view(2, 2), kv_format="fp8_656")
-    with pytest.raises(ValueError, match=r"dtype: expected bfloat16 or float16 or float32 \(or None for bfloat16\), got int8"):
-        tsm.kv_cache_gather(c656, slots, kv_format="fp8_656", dtype=torch.int8)
-    with pytest.raises(ValueError, match=r"out: expected dtype bfloat16, got float16"):
-        tsm.kv_cache_gather(c656, slots, kv_format="fp8_656", dtype=BF16, out=torch.empty(4, 576, dtype=F16))
-    with pytest.raises(ValueError, match=r"out: expected shape\[0\] == len\(slots\) \(4\), got shape \(5, 576\)"):
-        tsm.kv_cache_gather(c656, slots, kv_format="fp8_656", out=torch.empty(5, 576, dtype=BF16))
-    with pytest.raises(ValueError, match=r"out: expected shape\[1\] == the cache's latent dimension D \(512\)"):
-        tsm.kv_cache_gather(c584, slots, kv_format="fp8_584", out=torch.empty(4, 576, dtype=BF16))
-    with pytest.raises(ValueError, match=r"slot_mapping: expected a tensor on cpu"):
-        tsm.kv_cache_insert(kv, slots.to("meta"), c656, kv_format="fp8_656")
+def _valid_call(op: str) -> dict:
+    """Keyword arguments of a valid call of the public function ``op`` (an fp8_656 cache of 64-row pages)."""
+    cache = cache_for("fp8_656", "ps64")
+    slots = torch.arange(4)
+    if op == "kv_cache_insert":
+        return dict(kv=torch.zeros(4, 576, dtype=BF16), slot_mapping=slots, kv_cache=cache, kv_format="fp8_656")
+    return dict(kv_cache=cache, slots=slots, kv_format="fp8_656")
+
+
+def _set(**values):
+    """A mutation: replace arguments, in order, by functions of the arguments (``a``: the argument dict)."""
+
+    def mutate(a):
+        for name, fn in values.items():
+            a[name] = fn(a)
+
+    return mutate
+
+
+def _u8(*shape):
+    return torch.zeros(*shape, dtype=torch.uint8)
+
+
+# (operator, mutation of a valid call, expected message)
+ERRORS = {
+    "format": ("kv_cache_insert", _set(kv_format=lambda a: "fp8"),
+               r"kv_format: expected one of 'auto', 'fp8_656', 'fp8_584', got 'fp8'"),
+    "kv_dtype": ("kv_cache_insert", _set(kv=lambda a: a["kv"].int()),
+                 r"kv: expected dtype bfloat16 or float16 or float32, got int32"),
+    "kv_dim": ("kv_cache_insert", _set(kv_cache=lambda a: cache_for("fp8_584", "ps64"), kv_format=lambda a: "fp8_584"),
+               r"kv: expected shape\[1\] == the cache's latent dimension D \(512\)"),
+    "slot_dtype": ("kv_cache_insert", _set(slot_mapping=lambda a: a["slot_mapping"].int()),
+                   r"slot_mapping: expected dtype int64, got int32"),
+    "slot_len": ("kv_cache_insert", _set(slot_mapping=lambda a: a["slot_mapping"][:3]),
+                 r"slot_mapping: expected shape\[0\] == kv.shape\[0\] \(4\), got shape \(3,\)"),
+    "slot_device": ("kv_cache_insert", _set(slot_mapping=lambda a: a["slot_mapping"].to("meta")),
+                    r"slot_mapping: expected a tensor on cpu \(where the first argument is\), got meta"),
+    "cache_dtype": ("kv_cache_insert", _set(kv_cache=lambda a: torch.zeros(2, 4, 656, dtype=BF16)),
+                    r"kv_cache: expected dtype uint8, got bfloat16"),
+    "cache_width": ("kv_cache_insert", _set(kv_cache=lambda a: cache_for("fp8_584", "ps64")),
+                    r"kv_cache: expected shape\[-1\] == 656"),
+    "fp8_656_row_stride": ("kv_cache_insert", _set(kv_cache=lambda a: _u8(2, 4, 700)[:, :, :656]),
+                           r"kv_cache: expected stride\(1\) == 656 for fp8_656"),
+    "pages_overlap": ("kv_cache_gather", _set(kv_format=lambda a: "fp8_584", kv_cache=lambda a: torch.as_strided(
+        _u8(5000), (3, 4, 584), (1000, 584, 1))), r"kv_cache: expected stride\(0\) >= page_size \* 584"),
+    # The bounds proof: a view whose strides reach fewer bytes than the fp8_584 page layout uses.
+    "fp8_584_view_too_small": ("kv_cache_insert", _set(
+        kv=lambda a: a["kv"][:, :512], kv_format=lambda a: "fp8_584",
+        kv_cache=lambda a: torch.as_strided(_u8(2 * 2336), (2, 4, 584), (2336, 10, 1))),
+        r"kv_cache: expected a view that covers the fp8_584 layout of its pages \(2336 bytes from each page's "
+        r"start, so stride\(1\) >= 584\), got shape \(2, 4, 584\) and strides \(2336, 10, 1\)"),
+    "fp8_584_view_too_small_gather": ("kv_cache_gather", _set(
+        kv_format=lambda a: "fp8_584", kv_cache=lambda a: torch.as_strided(_u8(4000), (1, 4, 584), (4000, 583, 1))),
+        r"kv_cache: expected a view that covers the fp8_584 layout"),
+    "auto_last_stride": ("kv_cache_insert", _set(kv_format=lambda a: "auto",
+                                                 kv_cache=lambda a: torch.zeros(2, 4, 1152, dtype=BF16)[:, :, ::2]),
+                         r"kv_cache: expected stride\(-1\) == 1"),
+    "auto_dtype": ("kv_cache_gather", _set(kv_format=lambda a: "auto",
+                                           kv_cache=lambda a: torch.zeros(2, 4, 576, dtype=torch.int8)),
+                   r"kv_cache: expected dtype bfloat16 or float16 or float32, got int8"),
+    "slots_dtype": ("kv_cache_gather", _set(slots=lambda a: a["slots"].float()),
+                    r"slots: expected dtype int32 or int64, got float32"),
+    "slots_rank": ("kv_cache_gather", _set(slots=lambda a: a["slots"].view(2, 2)),
+                   r"slots: expected a 1-D tensor, got shape \(2, 2\)"),
+    "dtype": ("kv_cache_gather", _set(dtype=lambda a: torch.int8),
+              r"dtype: expected bfloat16 or float16 or float32 \(or None for bfloat16\), got int8"),
+    "out_dtype": ("kv_cache_gather", _set(dtype=lambda a: BF16, out=lambda a: torch.empty(4, 576, dtype=F16)),
+                  r"out: expected dtype bfloat16, got float16"),
+    "out_rows": ("kv_cache_gather", _set(out=lambda a: torch.empty(5, 576, dtype=BF16)),
+                 r"out: expected shape\[0\] == len\(slots\) \(4\), got shape \(5, 576\)"),
+    "out_dim": ("kv_cache_gather", _set(kv_format=lambda a: "fp8_584", kv_cache=lambda a: cache_for("fp8_584", "ps64"),
+                                        out=lambda a: torch.empty(4, 576, dtype=BF16)),
+                r"out: expected shape\[1\] == the cache's latent dimension D \(512\)"),
+    "out_not_a_tensor": ("kv_cache_gather", _set(out=lambda a: (torch.empty(4, 576, dtype=BF16),)),
+                         r"out: expected a tensor \(the out buffer\), got tuple"),
+    # written tensors that alias an input (checked on data pointers in the real implementation)
+    "kv_inside_cache": ("kv_cache_insert", _set(
+        kv_format=lambda a: "auto", kv_cache=lambda a: cache_for("auto", "ps64", dtype=F32),
+        kv=lambda a: a["kv_cache"][1, :4]), r"kv_cache: overlaps the memory of input kv"),
+    "out_inside_cache": ("kv_cache_gather", _set(
+        kv_format=lambda a: "auto", kv_cache=lambda a: cache_for("auto", "ps64", dtype=F32),
+        out=lambda a: a["kv_cache"][0, 10:14]), r"out: overlaps the memory of input kv_cache"),
+}
+
+
+@pytest.mark.parametrize("case", list(ERRORS), ids=str)
+def test_errors(case):
+    op, mutate, match = ERRORS[case]
+    args = _valid_call(op)
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        getattr(tsm, op)(**args)
+
+
+def test_valid_calls_pass():
+    """The calls the error table mutates are valid as they are; a fp8_584 view with any stride(1) that
+    still covers the page layout is accepted and reads the layout, not stride(1)."""
+    for op in ("kv_cache_insert", "kv_cache_gather"):
+        getattr(tsm, op)(**_valid_call(op))
+    flat = torch.full((3 * 2400,), 0xFF, dtype=torch.uint8)
+    odd = torch.as_strided(flat, (3, 4, 584), (2400, 600, 1))  # stride(1) = 600 > 584: the view covers the layout
+    plain = ref.make_cache(3, 4, "fp8_584", page_pad=2400 - 4 * 584)
+    kv = make_kv(5, 512, F32, seed=3)
+    slots = torch.tensor([0, 3, 5, 11, -1])
+    tsm.kv_cache_insert(kv, slots, odd, kv_format="fp8_584")
+    tsm.kv_cache_insert(kv, slots, plain, kv_format="fp8_584")
+    assert torch.equal(raw_bytes(odd), raw_bytes(plain))
 
 
 # =====================================================================================================

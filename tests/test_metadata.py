@@ -23,6 +23,9 @@ ops = torch.ops.sparse_mla
 I32 = torch.int32
 I64 = torch.int64
 INT32_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
 
 # =====================================================================================================
 # Naive references (Python loops over plain ints)
@@ -71,8 +74,9 @@ def ref_c128a(positions, token_to_req, block_table, slot_mapping, d, ratio, bloc
 
 
 def ref_decode_runtime_metadata(seq_lens, q):
+    """``qo_offset`` saturates at INT32_MIN (only reachable with negative ``seq_lens``)."""
     kv = [seq_lens[r // q] for r in range(len(seq_lens) * q)]
-    qo = [seq_lens[r // q] - q + r % q for r in range(len(seq_lens) * q)]
+    qo = [max(seq_lens[r // q] - q + r % q, INT32_MIN) for r in range(len(seq_lens) * q)]
     return kv, qo
 
 
@@ -390,9 +394,68 @@ def test_compressed_slot_mapping_property(query_lens, context, blocks, max_block
     assert out.tolist() == ref_compressed_slot_mapping(qsl, seq_lens, table, n, block_size, ratio)
 
 
+# int64 positions at both ends (``positions + 1`` and ``positions - window + 1`` wrap there) and the
+# int32 ends of seq_lens; both backends must match the reference's unbounded Python integers.
+EXTREME_POSITIONS = [INT64_MIN, INT64_MIN + 1, INT32_MIN - 1, -2, -1, 0, 1, 126, 127, 128, INT32_MAX, 2**31,
+                     2**40 + 127, INT64_MAX - 128, INT64_MAX - 1, INT64_MAX]
+EXTREME_SEQ_LENS = [INT32_MIN, INT32_MIN + 1, INT32_MIN + 3, -1, 0, 1, INT32_MAX - 1, INT32_MAX]
+
+
+def extreme_batch() -> Batch:
+    b = make_batch(0)
+    t = len(EXTREME_POSITIONS)
+    g = torch.Generator().manual_seed(0)
+    return dataclasses.replace(
+        b, positions=torch.tensor(EXTREME_POSITIONS, dtype=I64),
+        token_to_req=torch.randint(0, b.block_table.shape[0], (t,), dtype=I32, generator=g),
+        slot_mapping=torch.where(torch.arange(t) % 5 == 0, -1, torch.arange(t)), num_decode=t // 2,
+        local_indices=torch.randint(-2, 30, (t, 4), dtype=I32, generator=g))
+
+
+def run_extremes(backend: str) -> None:
+    b = extreme_batch()
+    t = b.positions.shape[0]
+    for ratio, block_size, width in [(128, 4, 7), (1, 64, 9), (3, 2, 300)]:
+        bufs = c128a_outputs(b, width, capacity=width)
+        fn = tsm.c128a_topk_indices if backend == "cpu" else kernels.c128a_topk_indices_triton
+        if backend == "cpu":
+            fn(b.positions, b.token_to_req, b.block_table, b.slot_mapping, num_decode_tokens=b.num_decode,
+               compress_ratio=ratio, block_size=block_size, width=width, out=bufs)
+        else:
+            fn(b.positions, b.token_to_req, b.block_table, b.slot_mapping, b.num_decode, ratio, block_size, width,
+               **dict(zip(C128A_OUTPUTS, bufs)))
+        check_c128a(b, ratio, block_size, width, bufs)
+    for window, block_size in [(128, 4), (1, 1), (5, 3)]:
+        outs = (poison(torch.empty(t, window, dtype=I32)), poison(torch.empty(t, dtype=I32)))
+        if backend == "cpu":
+            tsm.swa_indices(b.positions, b.token_to_req, b.block_table, b.slot_mapping, window=window,
+                            block_size=block_size, out=outs)
+        else:
+            kernels.swa_indices_triton(b.positions, b.token_to_req, b.block_table, b.slot_mapping, window, block_size,
+                                       indices=outs[0], lens=outs[1])
+        check_swa(b, window, block_size, outs)
+    seq_lens = torch.tensor(EXTREME_SEQ_LENS, dtype=I32)
+    for q in (1, 4):
+        outs = tuple(poison(torch.empty(len(EXTREME_SEQ_LENS) * q, dtype=I32)) for _ in range(2))
+        if backend == "cpu":
+            tsm.decode_runtime_metadata(seq_lens, decode_query_len=q, out=outs)
+        else:
+            kernels.decode_runtime_metadata_triton(seq_lens, q, kv_segment_lens=outs[0], qo_offset=outs[1])
+        check_drm(seq_lens, q, outs)
+
+
+def test_extreme_values():
+    run_extremes("cpu")
+
+
 # =====================================================================================================
 # Triton interpreter parity (the CUDA kernels, run on CPU tensors)
 # =====================================================================================================
+
+
+@requires_interpreter
+def test_interpreter_extreme_values():
+    run_extremes("interpreter")
 
 INTERP_BATCHES = ["mixed", "few_columns", "big_block_ids", "empty"]
 
@@ -526,36 +589,117 @@ def test_compile_no_recompiles():
 # =====================================================================================================
 
 
-def test_errors():
+def _valid_call(op: str, b: Batch) -> dict:
+    """Keyword arguments of a valid call of the public function ``op`` on batch ``b``."""
+    t, k = b.local_indices.shape
+    per_token = dict(token_to_req=b.token_to_req, block_table=b.block_table, slot_mapping=b.slot_mapping)
+    return {
+        "compressed_slot_mapping": dict(query_start_loc=b.query_start_loc, seq_lens=b.seq_lens,
+                                        block_table=b.block_table, num_tokens=t, block_size=4, compress_ratio=4),
+        "c128a_topk_indices": dict(positions=b.positions, **per_token, num_decode_tokens=b.num_decode,
+                                   compress_ratio=4, block_size=4, width=8),
+        "decode_runtime_metadata": dict(seq_lens=b.seq_lens, decode_query_len=2),
+        "swa_indices": dict(positions=b.positions, **per_token, window=4, block_size=4),
+        "compressed_topk_to_global": dict(local_indices=b.local_indices, **per_token, block_size=4),
+    }[op]
+
+
+def _drop(name):
+    return lambda a: a.pop(name)
+
+
+def _set(**values):
+    """A mutation: replace arguments, in order, by functions of the arguments (``a``: the argument dict)."""
+
+    def mutate(a):
+        for name, fn in values.items():
+            a[name] = fn(a)
+
+    return mutate
+
+
+def _i32(*shape):
+    return torch.empty(*shape, dtype=I32)
+
+
+# (operator, mutation of a valid call, expected message)
+ERRORS = {
+    "positions_dtype": ("swa_indices", _set(positions=lambda a: a["positions"].int()),
+                        r"positions: expected dtype int64, got int32"),
+    "block_table_rank": ("swa_indices", _set(block_table=lambda a: a["block_table"][0]),
+                         r"block_table: expected a 2-D tensor"),
+    "token_to_req_len": ("swa_indices", _set(token_to_req=lambda a: a["token_to_req"][1:]),
+                         r"token_to_req: expected shape\[0\] == len\(positions\)"),
+    "window_zero": ("swa_indices", _set(window=lambda a: 0), r"window: expected an int >= 1, got 0"),
+    "window_past_int32": ("swa_indices", _set(window=lambda a: 2**31), r"window: expected an int <= 2147483647"),
+    "block_size_past_int32": ("compressed_topk_to_global", _set(block_size=lambda a: 2**40),
+                              r"block_size: expected an int <= 2147483647, got 1099511627776"),
+    "block_table_device": ("swa_indices", _set(block_table=lambda a: a["block_table"].to("meta")),
+                           r"block_table: expected a tensor on cpu \(where the first argument is\), got meta"),
+    "query_start_loc_len": ("compressed_slot_mapping", _set(query_start_loc=lambda a: a["query_start_loc"][:-1]),
+                            r"query_start_loc: expected shape\[0\] == len\(seq_lens\) \+ 1"),
+    "num_tokens_missing": ("compressed_slot_mapping", _drop("num_tokens"), r"num_tokens: required"),
+    "compress_ratio_zero": ("compressed_slot_mapping", _set(compress_ratio=lambda a: 0),
+                            r"compress_ratio: expected an int >= 1"),
+    "num_decode_tokens": ("c128a_topk_indices", _set(num_decode_tokens=lambda a: 999),
+                          r"num_decode_tokens: expected <= len\(positions\)"),
+    "width_past_int32": ("c128a_topk_indices", _set(width=lambda a: 2**31), r"width: expected an int <= 2147483647"),
+    "decode_indices_width": ("c128a_topk_indices", _set(out=lambda a: c128a_outputs_for(a, capacity=7)),
+                             r"decode_indices: expected shape\[1\] >= width \(8\)"),
+    "qo_offset_len": ("decode_runtime_metadata", _set(out=lambda a: (_i32(2 * a["seq_lens"].shape[0]), _i32(1))),
+                      r"qo_offset: expected shape\[0\] == len\(seq_lens\) \* decode_query_len"),
+    "lens_dtype": ("compressed_topk_to_global",
+                   _set(out=lambda a: (_i32(*a["local_indices"].shape), a["slot_mapping"].clone())),
+                   r"lens: expected dtype int32, got int64"),
+    # out= of the public functions: the right number of tensors, named
+    "out_not_a_tuple": ("swa_indices", _set(out=lambda a: _i32(2, 4)),
+                        r"out: expected a tuple of 2 tensors \(indices, lens\), got Tensor"),
+    "out_too_short": ("c128a_topk_indices", _set(out=lambda a: c128a_outputs_for(a, capacity=8)[:2]),
+                      r"out: expected a tuple of 3 tensors \(decode_indices, decode_lens, prefill_indices\), "
+                      r"got tuple of \(Tensor, Tensor\)"),
+    "out_not_a_tensor": ("compressed_slot_mapping", _set(out=lambda a: (torch.empty(3, dtype=I64),)),
+                         r"out: expected a tensor \(the out buffer\), got tuple"),
+    # an output buffer that aliases an input (checked on data pointers in the real implementation)
+    "lens_aliases_input": ("swa_indices",
+                           _set(out=lambda a: (_i32(a["positions"].shape[0], 4), a["token_to_req"])),
+                           r"lens: overlaps the memory of input token_to_req"),
+    "indices_alias_input": ("compressed_topk_to_global",
+                            _set(out=lambda a: (a["local_indices"], _i32(a["local_indices"].shape[0]))),
+                            r"indices: overlaps the memory of input local_indices"),
+    "qo_offset_aliases_seq_lens": ("decode_runtime_metadata",
+                                   _set(decode_query_len=lambda a: 1,
+                                        out=lambda a: (_i32(a["seq_lens"].shape[0]), a["seq_lens"])),
+                                   r"qo_offset: overlaps the memory of input seq_lens"),
+    "outputs_overlap": ("c128a_topk_indices",
+                        _set(out=lambda a: (lambda bufs: (bufs[0], bufs[0][0], bufs[2]))(c128a_outputs_for(a, 8))),
+                        r"decode_indices: overlaps the memory of output decode_lens"),
+    "out_aliases_query_start_loc": ("compressed_slot_mapping",
+                            _set(out=lambda a: a["query_start_loc"].view(torch.int64)[:1]
+                                 if a["query_start_loc"].numel() >= 2 else None),
+                            r"out: overlaps the memory of input query_start_loc"),
+}
+
+
+def c128a_outputs_for(args: dict, capacity: int):
+    t, d = args["positions"].shape[0], args["num_decode_tokens"]
+    return _i32(d, capacity), _i32(d), _i32(t - d, capacity)
+
+
+@pytest.mark.parametrize("case", list(ERRORS), ids=str)
+def test_errors(case):
+    op, mutate, match = ERRORS[case]
+    args = _valid_call(op, make_batch(0))
+    mutate(args)
+    with pytest.raises(ValueError, match=match):
+        getattr(tsm, op)(**args)
+
+
+def test_valid_calls_pass():
+    """The calls the error table mutates are valid as they are (each error comes from its mutation)."""
     b = make_batch(0)
-    with pytest.raises(ValueError, match=r"positions: expected dtype int64, got int32"):
-        tsm.swa_indices(b.positions.int(), b.token_to_req, b.block_table, b.slot_mapping, window=4, block_size=4)
-    with pytest.raises(ValueError, match=r"block_table: expected a 2-D tensor"):
-        tsm.swa_indices(b.positions, b.token_to_req, b.block_table[0], b.slot_mapping, window=4, block_size=4)
-    with pytest.raises(ValueError, match=r"token_to_req: expected shape\[0\] == len\(positions\)"):
-        tsm.swa_indices(b.positions, b.token_to_req[1:], b.block_table, b.slot_mapping, window=4, block_size=4)
-    with pytest.raises(ValueError, match=r"window: expected an int >= 1, got 0"):
-        tsm.swa_indices(b.positions, b.token_to_req, b.block_table, b.slot_mapping, window=0, block_size=4)
-    with pytest.raises(ValueError, match=r"query_start_loc: expected shape\[0\] == len\(seq_lens\) \+ 1"):
-        tsm.compressed_slot_mapping(b.query_start_loc[:-1], b.seq_lens, b.block_table, num_tokens=3, block_size=4,
-                                    compress_ratio=4)
-    with pytest.raises(ValueError, match=r"num_tokens: required"):
-        tsm.compressed_slot_mapping(b.query_start_loc, b.seq_lens, b.block_table, block_size=4, compress_ratio=4)
-    with pytest.raises(ValueError, match=r"compress_ratio: expected an int >= 1"):
-        ops.compressed_slot_mapping(b.query_start_loc, b.seq_lens, b.block_table, 3, 4, 0)
-    with pytest.raises(ValueError, match=r"num_decode_tokens: expected <= len\(positions\)"):
-        ops.c128a_topk_indices(b.positions, b.token_to_req, b.block_table, b.slot_mapping, 999, 4, 4, 8)
-    bufs = c128a_outputs(b, 8, capacity=7)
-    with pytest.raises(ValueError, match=r"decode_indices: expected shape\[1\] >= width \(8\)"):
-        ops.c128a_topk_indices.out(b.positions, b.token_to_req, b.block_table, b.slot_mapping, b.num_decode, 4, 4, 8,
-                                   decode_indices=bufs[0], decode_lens=bufs[1], prefill_indices=bufs[2])
-    with pytest.raises(ValueError, match=r"qo_offset: expected shape\[0\] == len\(seq_lens\) \* decode_query_len"):
-        ops.decode_runtime_metadata.out(b.seq_lens, 2, kv_segment_lens=torch.empty(2 * b.seq_lens.shape[0], dtype=I32),
-                                        qo_offset=torch.empty(1, dtype=I32))
-    with pytest.raises(ValueError, match=r"lens: expected dtype int32, got int64"):
-        ops.compressed_topk_to_global.out(b.local_indices, b.token_to_req, b.block_table, b.slot_mapping, 4,
-                                          indices=torch.empty(b.local_indices.shape, dtype=I32),
-                                          lens=torch.empty(b.local_indices.shape[0], dtype=I64))
+    for op in ("compressed_slot_mapping", "c128a_topk_indices", "decode_runtime_metadata", "swa_indices",
+               "compressed_topk_to_global"):
+        getattr(tsm, op)(**_valid_call(op, b))
 
 
 # =====================================================================================================

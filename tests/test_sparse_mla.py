@@ -148,9 +148,15 @@ def make_inputs(spec: Spec, seed: int = 0, value_seed: int | None = None) -> dic
     return kwargs
 
 
+FLT_MAX = torch.finfo(torch.float32).max
+
+
 def reference(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=512, topk_length=None,
               attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
-    """float64 ``(out, lse)``, one token and one list entry at a time."""
+    """float64 ``(out, lse)``, one token and one list entry at a time. ``lse`` of a token with
+    candidates saturates at +-FLT_MAX (the float32 output cannot hold more, and +inf means "no
+    candidate"), and a ``|softmax_scale|`` above FLT_MAX counts as FLT_MAX (docs/sparse_mla.md)."""
+    softmax_scale = math.copysign(min(abs(softmax_scale), FLT_MAX), softmax_scale)
     num_tokens, num_heads, _ = q.shape
     out = torch.zeros(num_tokens, num_heads, head_dim_v, dtype=torch.float64)
     lse = torch.full((num_tokens, num_heads), math.inf, dtype=torch.float64)
@@ -177,7 +183,7 @@ def reference(q, kv_cache, indices, softmax_scale, kv_format="auto", head_dim_v=
         m = scores.max(dim=1, keepdim=True).values
         e = torch.exp(scores - m)
         total = e.sum(dim=1)
-        lse[t] = m[:, 0] + torch.log(total)
+        lse[t] = (m[:, 0] + torch.log(total)).clamp(-FLT_MAX, FLT_MAX)
         o = (e / total[:, None]) @ k[:, :head_dim_v]
         if attn_sink is not None:
             o = o / (1 + torch.exp(attn_sink.to(torch.float64) - lse[t]))[:, None]
@@ -323,6 +329,43 @@ def test_sink_limits():
     torch.testing.assert_close(out[:, 2].double(), base_out[:, 2].double() * factor[:, None], atol=1e-2, rtol=2**-7)
 
 
+# Scales whose scores overflow float32 (|score| up to 1e302), reach its limit, or vanish: the weights
+# must still be exp(score - max score), the lse saturates, and nothing is NaN (docs/sparse_mla.md).
+_EXTREME_SCALES = {"1e38": 1e38, "-1e38": -1e38, "flt_max": FLT_MAX, "1e300": 1e300, "-1e300": -1e300,
+                   "1e-40": 1e-40, "zero": 0.0, "-zero": -0.0}
+
+
+def _assert_extreme_scale(out, lse, ref_out, ref_lse):
+    out, lse = out.double(), lse.double()
+    assert not out.isnan().any() and not lse.isnan().any()
+    no_candidate = torch.isinf(ref_lse)
+    assert torch.equal(torch.isposinf(lse), no_candidate), "lse = +inf only for the tokens without candidates"
+    # the float32 dot products carry ~2^-20 of sum |q k|: relative to lse, at most ~1e-3 after cancellation
+    torch.testing.assert_close(lse[~no_candidate], ref_lse[~no_candidate], rtol=2e-3, atol=1e-4)
+    vmax = ref_out.abs().max().item()
+    torch.testing.assert_close(out, ref_out, atol=2**-7 * vmax, rtol=2**-7)
+
+
+@pytest.mark.parametrize("scale", list(_EXTREME_SCALES), ids=str)
+def test_softmax_scale_extremes(scale):
+    spec = Spec(kv_format="fp8_584", T=3, H=16, K=32, K2=8, lengths=True, sink="finite", empty_row=True,
+                scale=_EXTREME_SCALES[scale])
+    kwargs = make_inputs(spec)
+    _assert_extreme_scale(*torch_sparse_mla.sparse_mla_decode(**kwargs), *reference(**kwargs))
+
+
+def test_scores_that_all_underflow_are_candidates():
+    """Every score of a token is below -FLT_MAX: the token still has candidates (finite lse, the
+    weights of its best entries), unlike a token whose list is empty."""
+    kwargs = make_inputs(Spec(kv_format="auto", T=2, H=2, K=4, dim=64, head_dim_v=64, empty_row=True, scale=1e38))
+    kwargs["q"] = -kwargs["q"].abs()
+    kwargs["kv_cache"] = kwargs["kv_cache"].abs()  # every dot product is negative: scores < -1e38
+    out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
+    assert torch.isposinf(lse[0]).all() and (out[0] == 0).all()  # the empty row
+    assert (lse[1] == -FLT_MAX).all() and (out[1] != 0).any()
+    _assert_extreme_scale(out, lse, *reference(**kwargs))
+
+
 def test_empty_batch():
     kwargs = make_inputs(Spec(kv_format="fp8_656", T=0, H=16, K=4))
     out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
@@ -373,6 +416,48 @@ def test_triton_interpreter_parity(spec, num_splits):
     out, lse = _outputs_like(kwargs)
     mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=num_splits)
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True, rounded_k=_rounds_k(spec))
+
+
+@requires_interpreter
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # float32 products overflow on purpose
+@pytest.mark.parametrize("scale", ["1e38", "-1e300", "zero"], ids=str)
+@pytest.mark.parametrize("num_splits", [1, 2], ids=lambda s: f"splits{s}")
+def test_triton_interpreter_softmax_scale_extremes(scale, num_splits):
+    spec = Spec(kv_format="fp8_656", T=2, H=16, K=40, K2=8, dtype=torch.float16, lengths=True, sink="finite",
+                empty_row=True, scale=_EXTREME_SCALES[scale])
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=num_splits)
+    _assert_extreme_scale(out, lse, *reference(**kwargs))
+
+
+@requires_interpreter
+def test_triton_interpreter_small_tiles_large_dims():
+    """The tiles the launcher picks for large head dims (16 heads x 16 keys per program, four head
+    blocks) on a D = 1024 cache whose V part is 320 dims (a 704-dim tail piece)."""
+    plan = mla_ops.plan_launch(200, 64, 256, 132, dim=2048, head_dim_v=512)
+    assert (plan.block_h, plan.block_n, plan.head_blocks) == (16, 16, 4)
+    spec = Spec(kv_format="auto", T=2, H=40, K=24, dim=1024, head_dim_v=320, dtype=torch.float16, lengths=True,
+                sink="finite", pool=32)
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, config=dict(block_h=16, block_n=16))
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+def test_plan_fits_shared_memory():
+    """Tiles from the head dims: the model shapes keep 64 x 64; larger D shrinks the tiles until the
+    estimate fits 227 KB; past what 16 x 16 tiles allow the launcher refuses."""
+    assert mla_ops.plan_launch(200, 64, 2048, 132) == mla_ops.plan_launch(200, 64, 2048, 132, dim=576, head_dim_v=512)
+    assert (mla_ops.plan_launch(200, 64, 2048, 132).block_h, mla_ops.plan_launch(200, 64, 2048, 132).block_n) == (64, 64)
+    for dim in (512, 576, 768, 1024, 1536, 2048):
+        for dv in (64, 512, dim):
+            for t, h in ((200, 64), (2, 128), (1, 16)):
+                plan = mla_ops.plan_launch(t, h, 512, 132, dim=dim, head_dim_v=dv)
+                assert mla_ops.shared_bytes_estimate(plan.block_h, plan.block_n, dim, dv) <= 232_448
+                assert plan.head_blocks * plan.block_h >= h
+    with pytest.raises(ValueError, match=r"needs \d+ bytes of shared memory per block even with 16 x 16 tiles"):
+        mla_ops.plan_launch(1, 16, 64, 132, dim=2048, head_dim_v=1025, shared_bytes=101_376)
 
 
 @requires_interpreter
@@ -490,10 +575,13 @@ def test_compile_no_recompiles():
 
 
 def _bad(**changes):
+    """Valid keyword arguments of the public function, then ``changes`` (name -> function of them);
+    ``out`` may be added (a function of the arguments and the valid ``(out, lse)`` buffers)."""
+
     def make():
         kwargs = make_inputs(Spec(kv_format="fp8_656", T=2, H=4, K=8))
         for name, fn in changes.items():
-            kwargs[name] = fn(kwargs)
+            kwargs[name] = fn(kwargs, _outputs_like(kwargs)) if name == "out" else fn(kwargs)
         return kwargs
 
     return make
@@ -531,6 +619,21 @@ _ERRORS = [
      r"extra_topk_length: given without"),
     ("extra_format", _bad(extra_kv_cache=lambda k: torch.zeros(2, 4, 584, dtype=torch.uint8),
                           extra_indices=lambda k: k["indices"]), r"extra_kv_cache: expected shape\[-1\] == 656"),
+    ("scale_nan", _bad(softmax_scale=lambda k: float("nan")), r"softmax_scale: expected a finite float, got nan"),
+    ("scale_inf", _bad(softmax_scale=lambda k: float("-inf")), r"softmax_scale: expected a finite float, got -inf"),
+    ("cache_view_too_small", _bad(kv_format=lambda k: "fp8_584", q=lambda k: k["q"][:, :, :512],
+                                  kv_cache=lambda k: torch.as_strided(torch.zeros(8000, dtype=torch.uint8),
+                                                                      (2, 4, 584), (2336, 100, 1))),
+     r"kv_cache: expected a view that covers the fp8_584 layout of its pages \(2336 bytes"),
+    ("out_dim", _bad(out=lambda k, o: (o[0][:, :, :256], o[1])), r"out: expected shape\[2\] == head_dim_v \(512\)"),
+    ("out_dtype", _bad(out=lambda k, o: (o[0].half(), o[1])), r"out: expected dtype bfloat16, got float16"),
+    ("lse_dtype", _bad(out=lambda k, o: (o[0], o[1].double())), r"lse: expected dtype float32, got float64"),
+    ("lse_heads", _bad(out=lambda k, o: (o[0], o[1][:, :2])), r"lse: expected shape\[1\] == q.shape\[1\] \(4\)"),
+    ("out_not_pair", _bad(out=lambda k, o: o[0]), r"out: expected a tuple of 2 tensors \(out, lse\), got Tensor"),
+    ("out_aliases_q", _bad(out=lambda k, o: (k["q"][:, :, :512], o[1])),
+     r"out: overlaps the memory of input q"),
+    ("lse_aliases_out", _bad(out=lambda k, o: (o[0], o[0].view(torch.float32)[:, :, :4].select(2, 0))),
+     r"out: overlaps the memory of output lse"),
 ]
 
 
@@ -540,17 +643,22 @@ def test_errors(make, match):
         torch_sparse_mla.sparse_mla_decode(**make())
 
 
-def test_error_out_buffers():
-    kwargs = make_inputs(Spec(kv_format="fp8_656", T=2, H=4, K=8))
-    out, lse = _outputs_like(kwargs)
-    with pytest.raises(ValueError, match=r"out: expected shape\[2\] == head_dim_v \(512\)"):
-        torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out[:, :, :256], lse))
-    with pytest.raises(ValueError, match=r"out: expected dtype bfloat16, got float16"):
-        torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out.half(), lse))
-    with pytest.raises(ValueError, match=r"lse: expected dtype float32, got float64"):
-        torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out, lse.double()))
-    with pytest.raises(ValueError, match=r"lse: expected shape\[1\] == q.shape\[1\] \(4\)"):
-        torch_sparse_mla.sparse_mla_decode(**kwargs, out=(out, lse[:, :2]))
+def test_cuda_head_dim_limit_in_fake():
+    """D > 2048 is refused up front for CUDA tensors (the fake, so under torch.compile too), any D on CPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 64, 4096, dtype=torch.bfloat16, device="cuda")
+        cache = torch.empty(4, 16, 4096, dtype=torch.bfloat16, device="cuda")
+        idx = torch.empty(2, 8, dtype=torch.int32, device="cuda")
+        with pytest.raises(ValueError, match=r"q: expected shape\[2\] \(D\) <= 2048 on CUDA"):
+            _ops.sparse_mla_decode(q, cache, idx, 0.1, "auto", 512)
+        q = torch.empty(2, 64, 2048, dtype=torch.bfloat16, device="cuda")
+        cache = torch.empty(4, 16, 2048, dtype=torch.bfloat16, device="cuda")
+        out, lse = _ops.sparse_mla_decode(q, cache, idx, 0.1, "auto", 512)
+        assert out.shape == (2, 64, 512) and lse.shape == (2, 64)
+    kwargs = make_inputs(Spec(kv_format="auto", T=1, H=2, K=3, dim=2100, head_dim_v=64, pool=4))
+    assert_matches(*torch_sparse_mla.sparse_mla_decode(**kwargs), *reference(**kwargs), tensor_cores=False)
 
 
 # =====================================================================================================
@@ -568,6 +676,13 @@ _CUDA = [Spec(kv_format=f, T=t, H=h, K=k) for f in fr.FORMATS for t, h, k in
     Spec(kv_format="fp8_584", T=2, H=80, K=128, K2=512, lengths=True, page_pad=64),
     Spec(kv_format="fp8_656", T=3, H=16, K=64, head_dim_v=448),
     Spec(kv_format="fp8_656", T=3, H=32, K=256, scale=0.3),
+    # head dims past the model's: tiles chosen from D (D = 2048 at 64 heads ran out of shared memory)
+    Spec(kv_format="auto", T=2, H=64, K=64, dim=2048, head_dim_v=512, lengths=True, sink="finite"),
+    Spec(kv_format="auto", T=2, H=64, K=64, dim=1024, head_dim_v=1024),
+    Spec(kv_format="auto", T=200, H=64, K=64, dim=2048, head_dim_v=2048, pool=32),
+    Spec(kv_format="auto", T=2, H=128, K=64, dim=1536, head_dim_v=1025, dtype=torch.float16),
+    # scores past float32 on the GPU kernel too (checked against the saturating reference)
+    Spec(kv_format="fp8_584", T=3, H=16, K=64, K2=8, lengths=True, sink="finite", empty_row=True, scale=1e38),
 ]
 
 
@@ -577,6 +692,9 @@ def test_cuda_parity(spec):
     kwargs = make_inputs(spec)
     out, lse = _outputs_like(kwargs, "cuda")
     torch_sparse_mla.sparse_mla_decode(**_to_device(kwargs, "cuda"), out=(out, lse))
+    if abs(spec.scale) > 1e30:
+        _assert_extreme_scale(out.cpu(), lse.cpu(), *reference(**kwargs))
+        return
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True, rounded_k=_rounds_k(spec))
 
 

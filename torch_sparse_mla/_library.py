@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 try:
+    from .meta_kernels._common import check_no_overlap, memory_extent
     from .meta_kernels import kv_cache as kv_cache_meta
     from .meta_kernels import metadata as metadata_meta
     from .meta_kernels import sparse_gqa as sparse_gqa_meta
@@ -126,6 +127,21 @@ for _name, (_functional_schema, _out_schema, _) in SCHEMAS.items():
         _lib.define(_name + _out_schema)
 
 
+def unpack_out(name: str, out) -> tuple:
+    """The ``out=`` argument of a public function, checked against the operator's outputs: one tensor
+    for an operator with one output, a tuple (or list) of exactly its outputs otherwise."""
+    names = SCHEMAS[name][2]
+    if len(names) == 1:
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"out: expected a tensor (the {names[0]} buffer), got {type(out).__name__}")
+        return (out,)
+    if isinstance(out, (tuple, list)) and len(out) == len(names) and all(isinstance(t, torch.Tensor) for t in out):
+        return tuple(out)
+    got = (f"{type(out).__name__} of ({', '.join(type(t).__name__ for t in out)})" if isinstance(out, (tuple, list))
+           else type(out).__name__)
+    raise ValueError(f"out: expected a tuple of {len(names)} tensors ({', '.join(names)}), got {got}")
+
+
 def _metadata_key(args: tuple, outputs=()) -> tuple:
     """Everything a fake's checks read: shape, strides, dtype and device of each tensor, and the value
     of every other argument."""
@@ -166,15 +182,40 @@ def _functional(name: str, fake, kernel):
     return impl
 
 
+def _written_args(name: str) -> tuple[tuple[str, ...], frozenset[str]]:
+    """Names of the positional arguments of an overload and of those it writes (``Tensor(a!)``)."""
+    base, _, overload = name.partition(".")
+    schema = getattr(getattr(torch.ops.sparse_mla, base), overload or "default")._schema
+    positional = tuple(a.name for a in schema.arguments if not a.kwarg_only)
+    written = frozenset(a.name for a in schema.arguments if a.alias_info is not None and a.alias_info.is_write)
+    return positional, written
+
+
 def _out(name: str, fake_out, kernel):
-    """The real ``out`` overload (or the only overload of a writing operator): check, then write."""
-    seen = _Validated()
+    """The real ``out`` overload (or the only overload of a writing operator): check, then write.
+
+    Besides the fake's checks (cached by signature), every call checks that no written tensor
+    overlaps another tensor argument (``check_no_overlap``): that needs data pointers, so only the
+    extents of the tensors are cached with the signature."""
+    seen = _Validated()  # signature -> (names, argument positions / output names, extents, written positions)
+    positional, written_names = _written_args(name)
 
     def impl(*args, **outputs):
         key = _metadata_key(args, outputs.values())
-        if key not in seen:
+        layout = seen.get(key)
+        if layout is None:
             fake_out(*args, **outputs)
-            seen.put(key, True)
+            entries = [(n, i, memory_extent(a)) for i, (n, a) in enumerate(zip(positional, args))
+                       if isinstance(a, torch.Tensor)] + [(n, n, memory_extent(a)) for n, a in outputs.items()]
+            entries = [e for e in entries if e[2] > 0]
+            written = tuple(k for k, (n, _, _) in enumerate(entries) if n in written_names or n in outputs)
+            layout = (tuple(n for n, _, _ in entries), tuple(i for _, i, _ in entries),
+                      tuple(e for _, _, e in entries), written if len(entries) > 1 else ())
+            seen.put(key, layout)
+        names, where, extents, written = layout
+        if written:
+            check_no_overlap(names, [(outputs[i] if i.__class__ is str else args[i]).data_ptr() for i in where],
+                             extents, written)
         kernel(*args, **outputs)
 
     impl.__name__ = f"{name}_out_{kernel.__name__.rsplit('_', 1)[-1]}"

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_sparse_mla._library import unpack_out
+
 _ops = torch.ops.sparse_mla
 
 
@@ -83,6 +85,7 @@ def kv_cache_gather(
     CUDA-graph safe; pass ``out`` for a fixed output address inside a captured graph.
     """
     if out is not None:
+        (out,) = unpack_out("kv_cache_gather", out)
         _ops.kv_cache_gather.out(kv_cache, slots, kv_format, dtype, out=out)
         return out
     return _ops.kv_cache_gather(kv_cache, slots, kv_format, dtype)

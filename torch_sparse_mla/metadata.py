@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_sparse_mla._library import unpack_out
+
 _ops = torch.ops.sparse_mla
 
 
@@ -45,6 +47,7 @@ def compressed_slot_mapping(
         int64 ``[num_tokens]`` (or ``out``).
     """
     if out is not None:
+        (out,) = unpack_out("compressed_slot_mapping", out)
         _ops.compressed_slot_mapping.out(query_start_loc, seq_lens, block_table, block_size, compress_ratio,
                                          out=out)
         return out
@@ -87,7 +90,7 @@ def c128a_topk_indices(
         ``(decode_indices [D, width], decode_lens [D], prefill_indices [P, width])``, int32.
     """
     if out is not None:
-        decode_indices, decode_lens, prefill_indices = out
+        decode_indices, decode_lens, prefill_indices = unpack_out("c128a_topk_indices", out)
         _ops.c128a_topk_indices.out(positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
                                     compress_ratio, block_size, width, decode_indices=decode_indices,
                                     decode_lens=decode_lens, prefill_indices=prefill_indices)
@@ -117,7 +120,7 @@ def decode_runtime_metadata(
         ``(kv_segment_lens, qo_offset)``, int32 ``[B * q]``.
     """
     if out is not None:
-        kv_segment_lens, qo_offset = out
+        kv_segment_lens, qo_offset = unpack_out("decode_runtime_metadata", out)
         _ops.decode_runtime_metadata.out(seq_lens, decode_query_len, kv_segment_lens=kv_segment_lens,
                                          qo_offset=qo_offset)
         return kv_segment_lens, qo_offset
@@ -151,7 +154,7 @@ def swa_indices(
         ``(indices [T, window], lens [T])``, int32.
     """
     if out is not None:
-        indices, lens = out
+        indices, lens = unpack_out("swa_indices", out)
         _ops.swa_indices.out(positions, token_to_req, block_table, slot_mapping, window, block_size,
                              indices=indices, lens=lens)
         return indices, lens
@@ -183,7 +186,7 @@ def compressed_topk_to_global(
         ``(indices [T, K], lens [T])``, int32.
     """
     if out is not None:
-        indices, lens = out
+        indices, lens = unpack_out("compressed_topk_to_global", out)
         _ops.compressed_topk_to_global.out(local_indices, token_to_req, block_table, slot_mapping, block_size,
                                            indices=indices, lens=lens)
         return indices, lens

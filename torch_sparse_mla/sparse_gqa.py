@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_sparse_mla._library import unpack_out
+
 _ops = torch.ops.sparse_mla
 
 
@@ -68,6 +70,7 @@ def sparse_gqa_decode(
     k_scale = 1.0 if k_scale is None else k_scale
     v_scale = 1.0 if v_scale is None else v_scale
     if out is not None:
+        (out,) = unpack_out("sparse_gqa_decode", out)
         _ops.sparse_gqa_decode.out(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
                                    decode_query_len, softmax_scale, q_scale, k_scale, v_scale, out=out)
         return out

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import torch
 
+from torch_sparse_mla._library import unpack_out
+
 _ops = torch.ops.sparse_mla
 
 
@@ -64,7 +66,7 @@ def sparse_mla_decode(
     shapes alone; use the ``out`` buffers for fixed addresses.
     """
     if out is not None:
-        o, lse = out
+        o, lse = unpack_out("sparse_mla_decode", out)
         _ops.sparse_mla_decode.out(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length,
                                    attn_sink, extra_kv_cache, extra_indices, extra_topk_length, out=o, lse=lse)
         return o, lse

@@ -1,0 +1,359 @@
+"""Compile the library's Triton kernels for sm_90 without a GPU, check their address arithmetic and
+report their resources.
+
+    python scripts/compile_sm90.py [--ttir-only] [--check-offsets] [--cases NAME ...] [--list]
+
+The launchers (``ops/*_triton``) run on small CPU tensors with a stand-in Triton driver whose target is
+sm_90: every ``KernelLaunch`` compiles its kernel exactly as the JIT would on an H100/H200 (same
+signature, same integer and alignment specialisation) and launches nothing. Per kernel it prints the
+registers and spills (``ptxas -v``) and the shared memory the launch asks for (against the 232,448
+bytes an sm_90 block may use).
+
+``--check-offsets`` checks the offset rule of ``ops/_launch.py`` on the optimised TTIR: no 32-bit
+integer multiplication may reach an address (``tt.addptr``) when one of its operands derives from a
+kernel argument or from a value loaded from memory (a stride, a size, an index). Products of
+compile-time constants, program ids and loop counters may stay 32-bit: they are bounded by a tensor
+dimension. (A division or remainder inherits the taint of its dividend only: ``pid % n`` is bounded
+by ``pid``.) Exit status 1 when a kernel breaks the rule. ``--ttir-only`` stops each compile after the
+TTIR (a few seconds for everything; what the test suite runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import defaultdict
+
+os.environ.pop("TRITON_INTERPRET", None)  # compile for the GPU, not for the interpreter
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.runtime.driver import driver  # noqa: E402
+
+SM90_MAX_SHARED = 232_448  # bytes of shared memory an sm_90 thread block may use (opt-in)
+
+
+class _OfflineDriver:
+    """What the Triton JIT asks of the driver before it compiles; nothing here touches a GPU."""
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+driver.set_active(_OfflineDriver())
+
+import torch_sparse_mla  # noqa: E402,F401
+from torch_sparse_mla.ops import _launch  # noqa: E402
+from torch_sparse_mla.ops import kv_cache as kv_ops  # noqa: E402
+from torch_sparse_mla.ops import metadata as md_ops  # noqa: E402
+from torch_sparse_mla.ops import sparse_gqa as gqa_ops  # noqa: E402
+from torch_sparse_mla.ops import sparse_mla as mla_ops  # noqa: E402
+
+
+class _StopAfterTTIR(Exception):
+    def __init__(self, ttir: str):
+        self.ttir = ttir
+
+
+def _ttir_only(enabled: bool) -> None:
+    if not enabled:
+        return
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    original = CUDABackend.add_stages
+
+    def add_stages(self, stages, options, language):
+        original(self, stages, options, language)
+        make_ttir = stages["ttir"]
+
+        def ttir_then_stop(src, metadata):
+            raise _StopAfterTTIR(str(make_ttir(src, metadata)))
+
+        stages["ttir"] = ttir_then_stop
+
+    CUDABackend.add_stages = add_stages
+
+
+COMPILED: list[tuple[str, str, object]] = []  # (case, kernel name, CompiledKernel or TTIR text)
+_CASE = ["?"]
+
+
+def _record(self, args):
+    name = self.kernel.fn.__name__
+    try:
+        compiled = self.kernel.warmup(*args, grid=self.grid, **self.meta, **self.options)
+        COMPILED.append((_CASE[0], name, compiled))
+    except _StopAfterTTIR as stop:
+        COMPILED.append((_CASE[0], name, stop.ttir))
+    return None
+
+
+_launch.KernelLaunch._jit_launch_here = _record
+
+
+# =====================================================================================================
+# Cases: the launchers on CPU tensors (values do not matter, shapes and strides do)
+# =====================================================================================================
+
+I32, I64 = torch.int32, torch.int64
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+
+
+def _strided(shape, dtype, pad=3):
+    """A view whose last-but-one stride is not the dense one (so strides reach the kernel as i32)."""
+    full = torch.zeros(*shape[:-1], shape[-1] + pad, dtype=dtype)
+    return full[..., : shape[-1]]
+
+
+def case_metadata():
+    r, m, t, k = 3, 5, 7, 9
+    qsl = torch.tensor([0, 2, 5, 7], dtype=I32)
+    seq_lens, bt = torch.tensor([4, 9, 2], dtype=I32), _strided((r, m), I32)
+    md_ops.compressed_slot_mapping_triton(qsl, seq_lens, bt, 4, 2, out=torch.empty(t, dtype=I64))
+    pos, ttr, sm = torch.zeros(t, dtype=I64), torch.zeros(t, dtype=I32), torch.zeros(t, dtype=I64)
+    md_ops.c128a_topk_indices_triton(pos, ttr, bt, sm, 3, 4, 2, 9, decode_indices=_strided((3, 9), I32),
+                                     decode_lens=torch.empty(3, dtype=I32), prefill_indices=_strided((4, 9), I32))
+    md_ops.decode_runtime_metadata_triton(seq_lens, 2, kv_segment_lens=torch.empty(6, dtype=I32),
+                                          qo_offset=torch.empty(6, dtype=I32))
+    md_ops.swa_indices_triton(pos, ttr, bt, sm, 6, 4, indices=_strided((t, 6), I32), lens=torch.empty(t, dtype=I32))
+    md_ops.compressed_topk_to_global_triton(_strided((t, k), I32), ttr, bt, sm, 4, indices=_strided((t, k), I32),
+                                            lens=torch.empty(t, dtype=I32))
+
+
+def _cache(kv_format, dtype=BF16, pages=3, page_size=4, dim=576, pad=5):
+    width = {"auto": dim, "fp8_656": 656, "fp8_584": 584}[kv_format]
+    dtype = dtype if kv_format == "auto" else torch.uint8
+    flat = torch.zeros(pages, page_size * width + pad, dtype=dtype)
+    return torch.as_strided(flat, (pages, page_size, width), (page_size * width + pad, width, 1))
+
+
+def case_kv_cache():
+    n = 5
+    for kv_format, dim in (("auto", 576), ("fp8_656", 576), ("fp8_584", 512)):
+        for kv_dtype in (BF16, F16, F32):
+            kv = torch.zeros(dim, n, dtype=kv_dtype).t()  # permuted: stride(1) = n
+            kv_ops.kv_cache_insert_triton(kv, torch.arange(n), _cache(kv_format), kv_format)
+        for out_dtype in (BF16, F32):
+            out = torch.empty(dim, n, dtype=out_dtype).t()
+            kv_ops.kv_cache_gather_triton(_cache(kv_format), torch.arange(n, dtype=I32), kv_format, out_dtype, out=out)
+
+
+def _mla(kv_format, t=2, h=16, k=40, k2=0, dim=576, dv=512, dtype=F16, num_splits=None, lengths=True, sink=True,
+         config=None, contiguous=False):
+    d = {"fp8_656": 576, "fp8_584": 512}.get(kv_format, dim)
+    q = torch.zeros(t, h, d, dtype=dtype) if contiguous else torch.zeros(d, h, t, dtype=dtype).permute(2, 1, 0)
+    cache = _cache(kv_format, dtype, dim=d)
+    idx = torch.zeros(t, k, dtype=I32) if contiguous else _strided((t, k), I32)
+    kw = dict(topk_length=torch.zeros(t, dtype=I32) if lengths else None,
+              attn_sink=torch.zeros(h) if sink else None)
+    if k2:
+        kw.update(extra_kv_cache=_cache(kv_format, dtype, page_size=2, dim=d), extra_indices=_strided((t, k2), I32),
+                  extra_topk_length=torch.zeros(t, dtype=I32) if lengths else None)
+    out = torch.empty(t, h, dv, dtype=dtype) if contiguous else torch.empty(dv, h, t, dtype=dtype).permute(2, 1, 0)
+    lse = torch.empty(t, h) if contiguous else torch.empty(h, t).t()
+    mla_ops.sparse_mla_decode_triton(q, cache, idx, 0.1, kv_format, dv, kw["topk_length"], kw["attn_sink"],
+                                     kw.get("extra_kv_cache"), kw.get("extra_indices"), kw.get("extra_topk_length"),
+                                     out=out, lse=lse, num_splits=num_splits, config=config)
+
+
+def case_sparse_mla():
+    for kv_format in ("fp8_656", "fp8_584", "auto"):
+        for dtype in (BF16, F16):
+            _mla(kv_format, dtype=dtype, k2=24, num_splits=2)  # split + combine, extra list
+            _mla(kv_format, h=64, dtype=dtype, num_splits=1, lengths=False, sink=False, config=dict(block_n=64))
+    _mla("auto", dim=96, dv=64, k2=5)
+    _mla("fp8_656", dv=448)
+
+
+def case_sparse_mla_model():
+    """The DeepSeek decode shapes with contiguous tensors, as the benchmark runs them."""
+    for kv_format in ("fp8_656", "fp8_584"):
+        for h, block_n in ((64, 64), (128, 64), (16, 32)):
+            _mla(kv_format, t=2, h=h, k=2048, dtype=BF16, num_splits=1, lengths=False, sink=False,
+                 config=dict(block_n=block_n), contiguous=True)
+
+
+def case_sparse_mla_large_dims():
+    """Head dims past the model's, up to the CUDA limit (D <= 2048), with the planner's tiles."""
+    for dim, dv in ((1024, 512), (1024, 1024), (2048, 512), (2048, 1025), (2048, 2048), (2048, 64), (1536, 1536)):
+        for t, h in ((200, 64), (2, 128)):  # 64- and 32-entry blocks before the shared-memory fit
+            _mla("auto", t=t, h=h, k=256, dim=dim, dv=dv, dtype=BF16, lengths=False, sink=False, contiguous=True)
+
+
+def case_sparse_gqa():
+    t, hq, hkv, dh, ps = 3, 8, 2, 128, 16
+    for q_dtype, kv_dtype in ((BF16, BF16), (F16, torch.float8_e4m3fn)):
+        q = torch.zeros(dh, hq, t).to(q_dtype).permute(2, 1, 0)
+        cache = torch.zeros(4, ps, hkv, 2 * dh).to(kv_dtype).permute(0, 2, 1, 3)
+        topk = torch.zeros(t, hkv, 3, dtype=I32)
+        bt = _strided((t, 4), I32)
+        lens = torch.zeros(t, dtype=I32)
+        for num_splits in (1, 2):
+            out = torch.empty(dh, hq, t, dtype=BF16 if q_dtype == BF16 else F16).permute(2, 1, 0)
+            gqa_ops.sparse_gqa_decode_triton(q, cache, topk, bt, lens, lens, 1, 0.1, 1.0, 1.0, 1.0, out=out,
+                                             num_splits=num_splits)
+
+
+CASES = {
+    "metadata": case_metadata,
+    "kv_cache": case_kv_cache,
+    "sparse_mla": case_sparse_mla,
+    "sparse_mla_model": case_sparse_mla_model,
+    "sparse_mla_large_dims": case_sparse_mla_large_dims,
+    "sparse_gqa": case_sparse_gqa,
+}
+DEFAULT_CASES = ("metadata", "kv_cache", "sparse_mla", "sparse_gqa")
+
+
+# =====================================================================================================
+# The offset check on TTIR
+# =====================================================================================================
+
+_DEF = re.compile(r"^\s*(%[\w.$-]+)(?::\d+)?\s*=\s*([\w.]+)(.*)$")
+_NAME = re.compile(r"%[\w.$-]+")
+_BOUNDED_BY_FIRST = {"arith.divsi", "arith.divui", "arith.remsi", "arith.remui", "arith.floordivsi",
+                     "arith.ceildivsi"}
+
+
+def _result_type(rest: str) -> str:
+    body = rest.split(" loc(")[0]
+    return body.rsplit(":", 1)[-1].strip() if ":" in body else ""
+
+
+def _is_i32(ty: str) -> bool:
+    return ty == "i32" or bool(re.search(r"x?i32>$", ty))
+
+
+def offset_violations(ttir: str) -> list[str]:
+    """32-bit multiplications that reach an address and involve an argument or a loaded value."""
+    defs = {}  # value -> (op, operand names, result type, line)
+    params = set()
+    for line in ttir.splitlines():
+        if "tt.func" in line:
+            params.update(re.findall(r"(%[\w.$-]+):", line))
+            continue
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        operands = _NAME.findall(rest.split(" loc(")[0].split(":")[0] if ":" in rest else rest)
+        defs[name] = (op, operands, _result_type(rest), line.strip())
+
+    tainted_cache: dict[str, bool] = {}
+
+    def tainted(v: str, depth=0) -> bool:
+        if v in params:
+            return True
+        if v in tainted_cache or depth > 400:
+            return tainted_cache.get(v, False)
+        tainted_cache[v] = False  # cycles (loop-carried values) count as untainted until proven otherwise
+        d = defs.get(v)
+        if d is None:  # a block argument: loop counter, reduction operand
+            return False
+        op, operands, _, _ = d
+        if op == "tt.load":
+            result = True
+        elif op in _BOUNDED_BY_FIRST:
+            result = bool(operands) and tainted(operands[0], depth + 1)
+        else:
+            result = any(tainted(o, depth + 1) for o in operands)
+        tainted_cache[v] = result
+        return result
+
+    bad, seen = [], set()
+    for name, (op, operands, _, _) in defs.items():
+        if op != "tt.addptr" or len(operands) < 2:
+            continue
+        stack = [operands[1]]
+        while stack:
+            v = stack.pop()
+            if v in seen or v not in defs:
+                continue
+            seen.add(v)
+            vop, vops, vty, vline = defs[v]
+            if vop == "tt.load":
+                continue  # a loaded value is a leaf of the address; its own address is checked separately
+            if vop in ("arith.muli", "arith.shli") and _is_i32(vty) and any(tainted(o) for o in vops):
+                bad.append(vline.split(" loc(")[0])
+            stack.extend(vops)
+    return bad
+
+
+# =====================================================================================================
+# Resource report
+# =====================================================================================================
+
+
+def _ptxas_usage(ptx: str) -> tuple[int, int]:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    try:
+        ptxas = get_ptxas(90).path  # triton 3.7
+    except TypeError:
+        ptxas = get_ptxas().path  # triton 3.6
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+        f.write(ptx)
+    try:
+        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+                             capture_output=True, text=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", out)
+    spill = re.search(r"(\d+) bytes spill stores", out)
+    return (int(regs.group(1)) if regs else -1), (int(spill.group(1)) if spill else -1)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
+    parser.add_argument("--ttir-only", action="store_true", help="stop each compile after the TTIR")
+    parser.add_argument("--check-offsets", action="store_true", help="exit 1 if a kernel breaks the offset rule")
+    parser.add_argument("--list", action="store_true", help="print each kernel's offending lines")
+    args = parser.parse_args(argv)
+    _ttir_only(args.ttir_only)
+
+    for case in args.cases:
+        _CASE[0] = case
+        CASES[case]()
+
+    failures = defaultdict(set)
+    print(f"{'case':<22} {'kernel':<36} {'regs':>5} {'spill B':>8} {'shared B':>9}")
+    for case, name, compiled in COMPILED:
+        ttir = compiled if isinstance(compiled, str) else compiled.asm["ttir"]
+        if args.check_offsets:
+            for line in offset_violations(ttir):
+                failures[(case, name)].add(line)
+        if isinstance(compiled, str):
+            continue
+        regs, spill = _ptxas_usage(compiled.asm["ptx"])
+        shared = compiled.metadata.shared
+        flag = "  > sm_90 limit" if shared > SM90_MAX_SHARED else ""
+        print(f"{case:<22} {name:<36} {regs:>5} {spill:>8} {shared:>9}{flag}")
+    print(f"{len(COMPILED)} launches compiled for sm_90 (triton {triton.__version__})")
+    if failures:
+        print(f"offset rule broken in {len(failures)} kernel(s):")
+        for (case, name), lines in sorted(failures.items()):
+            print(f"  {case}: {name}: {len(lines)} 32-bit product(s) reach an address")
+            if args.list:
+                for line in sorted(lines):
+                    print(f"      {line}")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# The GPU tests under compute-sanitizer (docs/testing.md):
+#   memcheck  - every CUDA test except the multi-GB ones (marker `large`): out-of-bounds and misaligned
+#               accesses, invalid frees, errors returned by CUDA calls;
+#   racecheck - the CUDA tests of the kernels that use shared memory (sparse_mla_decode and
+#               sparse_gqa_decode: tl.dot stages its operands there): shared-memory data races.
+#
+#   bash scripts/sanitize.sh [memcheck|racecheck|all] [test files or pytest arguments ...]
+#
+# Without test arguments: memcheck runs tests/ and racecheck runs the two attention test files. Each
+# tool's log goes to $OUT (default ./sanitize_out) with its ERROR SUMMARY; the exit status is non-zero
+# when a tool reported an error or a test failed. Expect each tool to take 10-40x the plain run; pass
+# one test file at a time to keep a run short (see docs/testing.md for the per-file commands).
+set -uo pipefail
+REPO=$(cd "$(dirname "$0")/.." && pwd)
+WHAT=${1:-all}; shift || true
+OUT=${OUT:-$REPO/sanitize_out}
+mkdir -p "$OUT"
+
+SANITIZER=$(command -v compute-sanitizer || true)
+for candidate in /usr/local/cuda/bin/compute-sanitizer /usr/local/cuda/compute-sanitizer/compute-sanitizer; do
+  [ -z "$SANITIZER" ] && [ -x "$candidate" ] && SANITIZER=$candidate
+done
+if [ -z "$SANITIZER" ]; then
+  echo "compute-sanitizer not found (it ships with the CUDA toolkit); nothing was checked" | tee "$OUT/summary.txt"
+  exit 2
+fi
+
+# Every allocation its own block: an access past a tensor then falls outside any allocation and
+# memcheck reports it (the caching allocator would hide it inside a larger block).
+export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+export TORCHINDUCTOR_COMPILE_THREADS=1  # no compile-worker processes under the sanitizer
+export TSM_HYPOTHESIS_PROFILE=ci        # property tests with their CI example counts
+export PYTHONUNBUFFERED=1
+
+# The importable package copy of scripts/gpu_suite.sh (ops/ and meta_kernels/ inside the package).
+SITE=$(mktemp -d)
+if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$REPO"/.whl/*.whl || exit 1
+fi
+cp -r "$REPO/torch_sparse_mla" "$SITE/" && cp -r "$REPO/ops" "$REPO/meta_kernels" "$SITE/torch_sparse_mla/"
+export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+cd "$SITE"
+
+run_tool() {  # tool, default targets...; extra pytest arguments come from the command line
+  local tool=$1; shift
+  local targets=("$@")
+  [ ${#ARGS[@]} -gt 0 ] && targets=("${ARGS[@]}")
+  local log="$OUT/$tool.log"
+  echo "== $tool: ${targets[*]}" | tee "$log"
+  local extra=()
+  [ "$tool" = racecheck ] && extra=(--racecheck-report analysis)
+  "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 97 --print-limit 200 --target-processes all \
+    python3 -m pytest -q -rs -p no:cacheprovider -m "cuda and not large" "${targets[@]}" 2>&1 | tee -a "$log"
+  local rc=${PIPESTATUS[0]}
+  grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | tail -n 3 | sed "s/^/$tool: /" | tee -a "$OUT/summary.txt"
+  return "$rc"
+}
+
+ARGS=("${@/#/}")
+for i in "${!ARGS[@]}"; do  # test files given relative to the repository
+  [ -e "$REPO/${ARGS[$i]%%::*}" ] && ARGS[$i]="$REPO/${ARGS[$i]}"
+done
+: > "$OUT/summary.txt"
+rc=0
+if [ "$WHAT" = memcheck ] || [ "$WHAT" = all ]; then
+  run_tool memcheck "$REPO/tests" || rc=1
+fi
+if [ "$WHAT" = racecheck ] || [ "$WHAT" = all ]; then
+  run_tool racecheck "$REPO/tests/test_sparse_mla.py" "$REPO/tests/test_sparse_gqa.py" || rc=1
+fi
+echo "summary ($OUT/summary.txt):"; cat "$OUT/summary.txt"
+exit $rc
