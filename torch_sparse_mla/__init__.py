@@ -14,7 +14,7 @@ from torch_sparse_mla.metadata import (
     decode_runtime_metadata,
     swa_indices,
 )
-from torch_sparse_mla.sparse_gqa import sparse_gqa_decode
+from torch_sparse_mla.sparse_gqa import gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.sparse_mla import sparse_mla_decode
 
 __version__ = "0.1.0"
@@ -24,6 +24,7 @@ __all__ = [
     "compressed_slot_mapping",
     "compressed_topk_to_global",
     "decode_runtime_metadata",
+    "gqa_kv_cache_insert",
     "kv_cache_gather",
     "kv_cache_insert",
     "sparse_gqa_decode",
