@@ -194,7 +194,7 @@ def nvfp4_encode_torch(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, 
     the total scale ``s`` (0-d float32): per 16 values ``scale = e4m3(amax / (6 * s))`` (round to nearest
     even, saturating at 448; NaN if the group holds a NaN), codes = the E2M1 value nearest to
     ``x / (scale * s)`` (ties to the even code, magnitudes above 6 clamp to 6; sign = the sign bit of
-    ``x``; every code 0 when the rounded scale is 0)."""
+    ``x``; every code 0 when the rounded scale is 0 or NaN)."""
     groups = x.unflatten(-1, (NVFP4_SCALE_BYTES, NVFP4_GROUP))
     amax = groups.abs().amax(dim=-1)  # NaN propagates
     scale_f = (amax / (6.0 * s)).clamp(-E4M3_MAX, E4M3_MAX)
@@ -204,7 +204,8 @@ def nvfp4_encode_torch(x: torch.Tensor, s: torch.Tensor) -> tuple[torch.Tensor, 
     mag = ((y > 0.25).int() + (y >= 0.75).int() + (y > 1.25).int() + (y >= 1.75).int() + (y > 2.5).int()
            + (y >= 3.5).int() + (y > 5.0).int())
     sign = (groups.view(torch.int32) < 0).int()
-    codes = torch.where((scale == 0)[..., None], 0, mag | (sign << 3)).flatten(-2)
+    dead = (scale == 0) | torch.isnan(scale)  # a zero or NaN scale: every code of the group is 0
+    codes = torch.where(dead[..., None], 0, mag | (sign << 3)).flatten(-2)
     data = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
     return data, scale_bytes
 
@@ -787,6 +788,64 @@ def _div_rn(x, y):
 
 
 @triton.jit
+def _quotient(x, d, r, FAST: tl.constexpr):
+    """float32 ``RN(x / d)`` for ``x`` and ``d``, ``r`` broadcast to ``x``'s shape (``r = RN(1 / d)``).
+
+    ``FAST`` (GPU): one product and two fused corrections, ``q = RN(x r)``, ``e = RN(x - q d)``,
+    ``RN(q + e r)``, which is the correctly rounded quotient when ``r`` is the correctly rounded
+    reciprocal and nothing over- or underflows (Markstein's theorem; the caller keeps ``d`` inside
+    ``[2**-60, 2**60]``, else it takes the other path). Otherwise (the interpreter, whose ``fma``
+    rounds twice) the IEEE division."""
+    if FAST:
+        q = x * r
+        e = tl.fma(-q, d, x)
+        return tl.fma(e, r, q)
+    else:
+        return _div_rn(x, d)
+
+
+@triton.jit
+def _e4m3_byte(y, HW_CVT: tl.constexpr):
+    """int32 e4m3fn bits of float32 ``y`` already clamped to [-448, 448]: round to nearest even; NaN -> 0x7F.
+    On the GPU the hardware conversion (round to nearest even, the same bits); under the interpreter,
+    which truncates in ``.to()``, the integer routine of ops/_rounding.py."""
+    if HW_CVT:
+        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        bits = e4m3_bits(y)
+    return tl.where(y != y, 0x7F, bits)
+
+
+@triton.jit
+def _half_bits(x, STORE: tl.constexpr, HW_CVT: tl.constexpr):
+    """int16 bits of float32 ``x`` rounded to bfloat16 (STORE 1) or float16 (STORE 2), round to nearest
+    even; NaN -> the canonical NaN. Hardware conversion on the GPU, integer routine in the interpreter."""
+    if STORE == 1:
+        if HW_CVT:
+            bits = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        else:
+            bits = bf16_bits(x).to(tl.int16)
+        return tl.where(x != x, 0x7FC0, bits).to(tl.int16)
+    else:
+        if HW_CVT:
+            bits = x.to(tl.float16).to(tl.int16, bitcast=True)
+        else:
+            bits = f16_bits(x).to(tl.int16)
+        return tl.where(x != x, 0x7E00, bits).to(tl.int16)
+
+
+@triton.jit
+def _e2m1_code(y):
+    """int32 magnitude code (0..7) of the E2M1 value nearest to float32 ``y >= 0`` (ties to the even
+    code, above 6 -> 7), from the bits: ``y >= 1`` rounds its mantissa to one bit (a carry moves into
+    the exponent), ``y < 1`` rounds ``2 y`` to an integer (adding 2**23 does it, exactly)."""
+    bits = y.to(tl.int32, bitcast=True)
+    normal = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)  # 1.0 -> 2, 1.5 -> 3, ...
+    small = (y * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # 0, 1 or 2
+    return tl.where(bits >= 0x3F800000, normal, small)
+
+
+@triton.jit
 def _gqa_kv_cache_insert_kernel(
     k_ptr, stride_k_n, stride_k_h, stride_k_d,  # [N, Hkv, Dh] float32 / fp16, or the int16 view of bf16
     v_ptr, stride_v_n, stride_v_h, stride_v_d,
@@ -794,14 +853,16 @@ def _gqa_kv_cache_insert_kernel(
     cache_ptr,  # value cache as int16 (bf16 / fp16) or uint8 (float8) bits; NVFP4: uint8
     stride_c_p, stride_c_h, stride_c_o,  # value cache: element strides; NVFP4: page and slot strides in bytes
     k_scale_ptr, v_scale_ptr,  # float32 device scales (HAS_K_SCALE / HAS_V_SCALE)
-    num_rows, num_kv_heads, num_slots, page_size,
+    num_rows, num_slots,
     k_scale, v_scale,  # float32 scales (float8 and NVFP4 caches)
+    NUM_KV_HEADS: tl.constexpr, PAGE_SIZE: tl.constexpr,  # constants: the divisions by them are cheap
     HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_R: tl.constexpr,  # (token, KV head) rows per program
     KV_FMT: tl.constexpr,  # _FMT_VALUES / _FMT_NVFP4
     STORE: tl.constexpr,  # value cache: 0 float8, 1 bf16, 2 fp16
     IN_BF16: tl.constexpr,
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
+    HW_CVT: tl.constexpr,  # hardware float conversions (GPU); integer rounding under the interpreter
 ):
     # Program: BLOCK_R rows r = token * Hkv + head; each row's K and V are quantised and written.
     stride_k_n = tl.cast(stride_k_n, tl.int64)
@@ -814,74 +875,124 @@ def _gqa_kv_cache_insert_kernel(
     stride_c_p = tl.cast(stride_c_p, tl.int64)
     stride_c_h = tl.cast(stride_c_h, tl.int64)
     stride_c_o = tl.cast(stride_c_o, tl.int64)
-    page_size = tl.cast(page_size, tl.int64)
 
     r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
     live = r < num_rows
-    n = r // num_kv_heads
-    g = r % num_kv_heads
+    n = r // NUM_KV_HEADS
+    g = r % NUM_KV_HEADS
     slot = tl.load(slot_ptr + n * stride_slot, mask=live, other=-1)
     ok = live & (slot >= 0) & (slot < num_slots)  # negative or past the cache: skipped
     slot = tl.where(ok, slot, 0)
-    page = slot // page_size
-    o = slot - page * page_size
+    page = slot // PAGE_SIZE
+    o = slot - page * PAGE_SIZE
     ks = tl.full([BLOCK_R], 1.0, tl.float32) * k_scale
     vs = tl.full([BLOCK_R], 1.0, tl.float32) * v_scale
     if HAS_K_SCALE:
         ks = ks * tl.load(k_scale_ptr)
     if HAS_V_SCALE:
         vs = vs * tl.load(v_scale_ptr)
+    k_rows = k_ptr + n * stride_k_n + g * stride_k_h
+    v_rows = v_ptr + n * stride_v_n + g * stride_v_h
 
-    d = tl.arange(0, BLOCK_D)
-    in_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
-    k = load_as_f32(k_ptr + (n * stride_k_n + g * stride_k_h)[:, None] + d[None, :] * stride_k_d, in_mask, IN_BF16)
-    v = load_as_f32(v_ptr + (n * stride_v_n + g * stride_v_h)[:, None] + d[None, :] * stride_v_d, in_mask, IN_BF16)
     if KV_FMT == 0:
+        d = tl.arange(0, BLOCK_D)
+        in_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
+        k = load_as_f32(k_rows[:, None] + d[None, :] * stride_k_d, in_mask, IN_BF16)
+        v = load_as_f32(v_rows[:, None] + d[None, :] * stride_v_d, in_mask, IN_BF16)
         dst = cache_ptr + (page * stride_c_p + g * stride_c_h + o * stride_c_o)[:, None] + d[None, :]
         if STORE == 0:
-            k_bits = tl.where(k != k, 0x7F, e4m3_bits(_div_rn(k, ks[:, None])))  # saturates like clamp(, -448, 448)
-            v_bits = tl.where(v != v, 0x7F, e4m3_bits(_div_rn(v, vs[:, None])))
-            tl.store(dst, k_bits.to(tl.uint8), mask=in_mask)
-            tl.store(dst + HEAD_DIM, v_bits.to(tl.uint8), mask=in_mask)
-        elif STORE == 1:
-            tl.store(dst, tl.where(k != k, 0x7FC0, bf16_bits(k)).to(tl.int16), mask=in_mask)
-            tl.store(dst + HEAD_DIM, tl.where(v != v, 0x7FC0, bf16_bits(v)).to(tl.int16), mask=in_mask)
+            if HW_CVT:
+                # x / s with the reciprocal of each row's s (exact for s in [2**-60, 2**60], see
+                # _quotient); a block with another s takes the division.
+                k_r = _div_rn(tl.full([BLOCK_R], 1.0, tl.float32), ks)
+                v_r = _div_rn(tl.full([BLOCK_R], 1.0, tl.float32), vs)
+                in_range = ((tl.abs(ks) >= 2.0**-60) & (tl.abs(ks) <= 2.0**60) & (tl.abs(vs) >= 2.0**-60)
+                            & (tl.abs(vs) <= 2.0**60))
+                if tl.min(in_range.to(tl.int32), axis=0) == 1:
+                    k_y = _quotient(k, ks[:, None], k_r[:, None], True)
+                    v_y = _quotient(v, vs[:, None], v_r[:, None], True)
+                else:
+                    k_y = _div_rn(k, ks[:, None])
+                    v_y = _div_rn(v, vs[:, None])
+            else:
+                k_y = _div_rn(k, ks[:, None])
+                v_y = _div_rn(v, vs[:, None])
+            k_y = tl.minimum(tl.maximum(k_y, -448.0), 448.0)  # the clamp keeps NaN
+            v_y = tl.minimum(tl.maximum(v_y, -448.0), 448.0)
+            tl.store(dst, _e4m3_byte(k_y, HW_CVT).to(tl.uint8), mask=in_mask)
+            tl.store(dst + HEAD_DIM, _e4m3_byte(v_y, HW_CVT).to(tl.uint8), mask=in_mask)
         else:
-            tl.store(dst, tl.where(k != k, 0x7E00, f16_bits(k)).to(tl.int16), mask=in_mask)
-            tl.store(dst + HEAD_DIM, tl.where(v != v, 0x7E00, f16_bits(v)).to(tl.int16), mask=in_mask)
+            tl.store(dst, _half_bits(k, STORE, HW_CVT), mask=in_mask)
+            tl.store(dst + HEAD_DIM, _half_bits(v, STORE, HW_CVT), mask=in_mask)
     else:
         k_slot = cache_ptr + page * stride_c_p + (2 * g) * stride_c_h
-        _nvfp4_write(k, ks, k_slot, o, ok, page_size, False)
-        _nvfp4_write(v, vs, k_slot + stride_c_h, o, ok, page_size, True)
+        _nvfp4_write(k_rows, stride_k_d, ks, k_slot, o, ok, PAGE_SIZE, IN_BF16, False, HW_CVT)
+        _nvfp4_write(v_rows, stride_v_d, vs, k_slot + stride_c_h, o, ok, PAGE_SIZE, IN_BF16, True, HW_CVT)
 
 
 @triton.jit
-def _nvfp4_write(x, s, slot_ptr, o, ok, page_size, V_ORDER: tl.constexpr):
-    """Quantise rows ``x [BLOCK_R, 128]`` (float32) with total scales ``s [BLOCK_R]`` and store token
-    ``o``'s 64 data bytes and 8 scale bytes into the NVFP4 slots at ``slot_ptr [BLOCK_R]``."""
-    BLOCK_R: tl.constexpr = x.shape[0]
-    groups = tl.reshape(x, [BLOCK_R, 8, 16])
-    # amax with NaN kept (a hardware max drops NaN): a group holding a NaN gets the NaN scale.
-    amax = tl.max(tl.abs(groups), axis=2)
-    has_nan = tl.max((groups != groups).to(tl.int32), axis=2) > 0
-    scale_f = _div_rn(amax, (6.0 * s)[:, None])
-    scale_bits = tl.where(has_nan | (scale_f != scale_f), 0x7F, e4m3_bits(scale_f))  # saturates at 448
-    scale = scale_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact
-    y = tl.abs(_div_rn(groups, (scale * s[:, None])[:, :, None]))
-    mag = ((y > 0.25).to(tl.int32) + (y >= 0.75).to(tl.int32) + (y > 1.25).to(tl.int32) + (y >= 1.75).to(tl.int32)
-           + (y > 2.5).to(tl.int32) + (y >= 3.5).to(tl.int32) + (y > 5.0).to(tl.int32))
-    sign = (groups.to(tl.int32, bitcast=True) >> 31) & 1
-    codes = tl.where((scale == 0.0)[:, :, None], 0, mag | (sign << 3))  # a zero scale: every code 0
-    lo, hi = tl.split(tl.reshape(codes, [BLOCK_R, 64, 2]))
-    data = (lo | (hi << 4)).to(tl.uint8)
-    cols = tl.arange(0, 64)
-    tl.store(slot_ptr[:, None] + (o * 64)[:, None] + cols[None, :], data, mask=ok[:, None] & (cols < 64)[None, :])
+def _max_keep_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def _nvfp4_write(x_rows, stride_d, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, IN_BF16: tl.constexpr,
+                 V_ORDER: tl.constexpr, HW_CVT: tl.constexpr):
+    """Quantise the 128 values of each row at ``x_rows [BLOCK_R]`` (stride ``stride_d``) with total scales
+    ``s [BLOCK_R]`` and store token ``o``'s 64 data bytes and 8 scale bytes into the NVFP4 slots at
+    ``slot_ptr [BLOCK_R]``. Rows are loaded whole (vector loads) and viewed as [row, group, byte,
+    nibble]: a byte's two values and a group's 16 values stay in one thread."""
+    BLOCK_R: tl.constexpr = o.shape[0]
+    cols = tl.arange(0, 128)
+    mask = ok[:, None] & (cols < 128)[None, :]
+    x = load_as_f32(x_rows[:, None] + cols[None, :].to(tl.int64) * stride_d, mask, IN_BF16)
+    lo, hi = tl.split(tl.reshape(x, [BLOCK_R, 8, 8, 2]))  # [BLOCK_R, 8, 8]: values 2i and 2i + 1
+    # amax with NaN kept (a plain hardware max drops NaN): a group holding a NaN gets the NaN scale.
+    amax = tl.reduce(tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL), 2, _max_keep_nan)
+    six_s = (6.0 * s)[:, None]  # [BLOCK_R, 1]
+    if HW_CVT:
+        r6 = _div_rn(tl.full(six_s.shape, 1.0, tl.float32), six_s)
+        in_range = (tl.abs(six_s) >= 2.0**-60) & (tl.abs(six_s) <= 2.0**60) & (amax <= 2.0**60)
+        if tl.min(tl.min(in_range.to(tl.int32), axis=1), axis=0) == 1:
+            scale_y = _quotient(amax, six_s, r6, True)
+        else:
+            scale_y = _div_rn(amax, six_s)
+    else:
+        scale_y = _div_rn(amax, six_s)
+    scale_y = tl.minimum(tl.maximum(scale_y, -448.0), 448.0)  # the clamp keeps NaN
+    scale_bits = _e4m3_byte(scale_y, HW_CVT)  # NaN -> 0x7F
+    scale = scale_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact (but for NaN)
+    d = (scale * s[:, None])[:, :, None]  # [BLOCK_R, 8, 1]
+    # A zero or NaN scale (a NaN group, or a NaN scale tensor): every code of the group is 0. Told from
+    # the bits: the interpreter decodes the e4m3 NaN as 480.
+    keep = (((scale_bits & 0x7F) != 0) & ((scale_bits & 0x7F) != 0x7F))[:, :, None]
+    lo_abs, hi_abs = tl.abs(lo), tl.abs(hi)
+    if HW_CVT:
+        # |x| / d with the reciprocal of each group's d (exact for d in [2**-60, 2**60], see _quotient);
+        # a block with a group outside (or a zero / NaN scale) takes the division.
+        r = _div_rn(tl.full(d.shape, 1.0, tl.float32), d)
+        in_range = (d >= 2.0**-60) & (d <= 2.0**60)
+        if tl.min(tl.min(tl.min(in_range.to(tl.int32), axis=2), axis=1), axis=0) == 1:
+            lo_y = _quotient(lo_abs, d, r, True)
+            hi_y = _quotient(hi_abs, d, r, True)
+        else:
+            lo_y = _div_rn(lo_abs, d)
+            hi_y = _div_rn(hi_abs, d)
+    else:
+        lo_y = _div_rn(lo_abs, d)
+        hi_y = _div_rn(hi_abs, d)
+    lo_code = _e2m1_code(lo_y) | ((lo.to(tl.int32, bitcast=True) >> 28) & 8)
+    hi_code = _e2m1_code(hi_y) | ((hi.to(tl.int32, bitcast=True) >> 28) & 8)
+    data = tl.reshape(tl.where(keep, lo_code | (hi_code << 4), 0), [BLOCK_R, 64]).to(tl.uint8)  # byte 8j + b
+    byte = tl.arange(0, 64)
+    tl.store(slot_ptr[:, None] + (o * 64)[:, None] + byte[None, :], data,
+             mask=ok[:, None] & (byte < 64)[None, :])
     j = tl.arange(0, 8)
     if V_ORDER:
-        scale_pos = page_size * 64 + (o // 4) * 32 + o % 4
+        scale_pos = PAGE_SIZE * 64 + (o // 4) * 32 + o % 4
         scale_ptrs = slot_ptr[:, None] + scale_pos[:, None] + (j * 4)[None, :]
     else:
-        scale_ptrs = slot_ptr[:, None] + (page_size * 64 + o * 8)[:, None] + j[None, :]
+        scale_ptrs = slot_ptr[:, None] + (PAGE_SIZE * 64 + o * 8)[:, None] + j[None, :]
     tl.store(scale_ptrs, scale_bits.to(tl.uint8), mask=ok[:, None] & (j < 8)[None, :])
 
 
@@ -918,10 +1029,11 @@ def gqa_kv_cache_insert_triton(k, v, slot_mapping, kv_cache, k_scale=1.0, v_scal
         args = (k_in, k.stride(0), k.stride(1), k.stride(2), v_in, v.stride(0), v.stride(1), v.stride(2),
                 slot_mapping, slot_mapping.stride(0), cache, kv_cache.stride(0), kv_cache.stride(1),
                 kv_cache.stride(2), slot_mapping, slot_mapping,  # the device scales, when given
-                num_rows, num_kv_heads, pages * page_size, page_size, float(k_scale), float(v_scale))
-        meta = dict(HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim), BLOCK_R=rows,
+                num_rows, pages * page_size, float(k_scale), float(v_scale))
+        meta = dict(NUM_KV_HEADS=num_kv_heads, PAGE_SIZE=page_size, HEAD_DIM=head_dim, BLOCK_D=next_pow2(head_dim),
+                    BLOCK_R=rows,
                     KV_FMT=_FMT_NVFP4 if nvfp4 else _FMT_VALUES, STORE=store, IN_BF16=k.dtype == torch.bfloat16,
-                    HAS_K_SCALE=has_k, HAS_V_SCALE=has_v)
+                    HAS_K_SCALE=has_k, HAS_V_SCALE=has_v, HW_CVT=k.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_gqa_kv_cache_insert_kernel, (cdiv(num_rows, rows),), args, meta,
                                               num_warps=4, device=k.device))
     launch(k_in, v_in, slot_mapping, cache, k_scale_tensor if has_k else slot_mapping,

@@ -148,7 +148,7 @@ def nvfp4_encode_token(x: torch.Tensor, s: np.float32):
             scale_bytes.append(byte)
             scale = f32(e4m3_value(byte))
             for i, v in enumerate(group):
-                if scale == 0:
+                if scale == 0 or np.isnan(scale):
                     code = 0
                 else:
                     code = e2m1_round(float(v / f32(scale * s)), bool(np.signbit(v)))

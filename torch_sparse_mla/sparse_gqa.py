@@ -107,7 +107,8 @@ def gqa_kv_cache_insert(
     - float8_e4m3fn cache: ``e4m3(clamp(x / s, -448, 448))``;
     - NVFP4 cache: per 16 values ``scale = e4m3(min(amax / (6 * s), 448))`` (stored), and each value's
       4-bit code is the E2M1 value nearest to ``x / (scale * s)`` (ties to the even code, magnitudes
-      above 6 clamp to 6, the sign from ``x``'s sign bit); every code is 0 when the rounded scale is 0.
+      above 6 clamp to 6, the sign from ``x``'s sign bit); every code is 0 when the rounded scale is 0
+      (or NaN).
 
     Every rounding is to nearest, ties to even. A NaN input is stored as the format's NaN (NVFP4: its
     group's scale byte is NaN). A slot that is negative or ``>= pages * page_size`` is skipped; only the
