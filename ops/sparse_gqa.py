@@ -339,23 +339,31 @@ def _e2m1_f32(code):
 
 
 @triton.jit
-def _nvfp4_tile(data, scale_bytes, x64, USE_ASM: tl.constexpr):
-    """float16 ``(even, odd)`` ``[BLOCK_N, 64]``: the values of dims ``2i`` and ``2i + 1`` of each row,
-    ``e2m1 * e4m3(scale)`` (exact in float16: at most 6 * 448, and a multiple of 2**-10), from the data
-    bytes ``[BLOCK_N, 64]`` and the row's scale bytes ``[BLOCK_N, 8]`` (uint8)."""
-    BLOCK_N: tl.constexpr = data.shape[0]
+def _nvfp4_scales(scale_bytes, x64, USE_ASM: tl.constexpr):
+    """The e4m3 scale bytes as the factors of ``_nvfp4_tile``: float16 ``scale * 64`` with the inline
+    decoder (its values carry 2**-6; exact, at most 448 * 64), float32 ``scale`` otherwise. ``x64`` is 64.0
+    as a float16 run-time value: the product with it keeps the compiler from moving the layout change of
+    the MMA operand before the decoding (which would shuffle bytes instead of using whole words)."""
     scale = scale_bytes.to(tl.float8e4nv, bitcast=True)
     if USE_ASM:
+        return scale.to(tl.float16) * x64
+    else:
+        return scale.to(tl.float32)
+
+
+@triton.jit
+def _nvfp4_tile(data, factors, USE_ASM: tl.constexpr):
+    """float16 ``(even, odd)`` shaped like ``data``: the values of dims ``2i`` and ``2i + 1`` of each key,
+    ``e2m1 * e4m3(scale)`` (exact in float16: at most 6 * 448, and a multiple of 2**-10), from the data
+    bytes (uint8, byte ``i`` of a key in the last dimension) and ``factors`` (``_nvfp4_scales`` broadcast
+    to ``data``'s shape: byte ``i`` takes scale ``i // 8``)."""
+    if USE_ASM:
         lo, hi = _e2m1_x64_asm(data)
-        s = scale.to(tl.float16) * x64  # exact: <= 448 * 64; lo, hi carry 2**-6
     else:
         d = data.to(tl.int32)
         lo = _e2m1_f32(d & 15)
         hi = _e2m1_f32(d >> 4)
-        s = scale.to(tl.float32)
-    # Value 2i is in group i // 8 of the 64 byte columns.
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], [BLOCK_N, 8, 8]), [BLOCK_N, 64])
-    return (lo * s).to(tl.float16), (hi * s).to(tl.float16)
+    return (lo * factors).to(tl.float16), (hi * factors).to(tl.float16)
 
 
 @triton.jit
@@ -375,11 +383,12 @@ def _sparse_gqa_decode_kernel(
     pages_per_split, num_splits, decode_query_len,
     qk_scale,  # softmax_scale * q_scale * k_scale * log2(e), clamped to float32: scores in base 2
     v_scale,  # clamped to float32
-    one,  # 1.0 (float16 multiplier that keeps the compiler from moving a float8 -> float16 conversion)
+    one,  # 1.0 (a float16 multiplier that keeps the compiler from moving a conversion, see below)
     HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,  # query heads per program, >= 16 for tl.dot (padding rows are masked)
     BLOCK_D: tl.constexpr,  # next_pow2(HEAD_DIM)
-    BLOCK_N: tl.constexpr,  # keys per tile
+    KEY_GROUPS: tl.constexpr,  # W: key groups per tile, each with its own softmax state (one per warp)
+    KPW: tl.constexpr,  # keys per group and tile (>= 16); a tile holds BLOCK_N = W * KPW keys
     BLOCK_SEL: tl.constexpr,  # next_pow2(pages_per_split), at least 2
     CHUNKS: tl.constexpr,  # key tiles per page, cdiv(PAGE_SIZE, BLOCK_N)
     KV_FMT: tl.constexpr,  # _FMT_VALUES / _FMT_NVFP4
@@ -390,8 +399,15 @@ def _sparse_gqa_decode_kernel(
     USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (GPU); the plain path runs in the interpreter
 ):
     # One program: row t, KV head g, a block of that head's query group, one split of the page list.
-    # Each selected page is read once and serves every query head of the block (one tl.dot per tile).
+    # Each selected page is read once and serves every query head of the block.
+    #
+    # A tile of BLOCK_N keys is W groups of KPW keys. The products are batched over the groups,
+    # [W, BLOCK_H, Dh] x [W, Dh, KPW], and each group keeps its own running (max, sum, accumulator),
+    # so every warp owns whole rows of the softmax: its max and sum need shuffles inside the warp only,
+    # never a block-wide barrier per tile. The W states are merged once, after the page list.
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
+    W: tl.constexpr = KEY_GROUPS
+    BLOCK_N: tl.constexpr = KEY_GROUPS * KPW
     # The offset rule: every stride and size entering an address is int64.
     stride_q_t = tl.cast(stride_q_t, tl.int64)
     stride_q_h = tl.cast(stride_q_h, tl.int64)
@@ -422,8 +438,9 @@ def _sparse_gqa_decode_kernel(
     qo = tl.load(qo_ptr + t * stride_qo).to(tl.int64)
     limit = tl.minimum(qo + 1, kv_len)  # positions x < limit are visible
 
-    # Query rows of the group, kept in registers for the whole page list. NVFP4 tiles come as even and
-    # odd dims, so the query is split the same way and each product is the sum of two dots.
+    # Query rows of the group, kept for the whole page list (broadcast over the key groups). NVFP4
+    # tiles come as even and odd dims, so the query is split the same way and each product is the sum
+    # of two products.
     i = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = i < group
     h = g * group + i
@@ -472,103 +489,166 @@ def _sparse_gqa_decode_kernel(
     n_keys = tl.where(page_ok, n_keys, 0)
     phys = tl.where(page_ok, phys, 0)
 
-    # The tile products are computed transposed, keys as the MMA's M dimension: S^T = K Q^T
-    # [BLOCK_N, BLOCK_H] and O^T += V^T P^T [BLOCK_D, BLOCK_H]. With BLOCK_N >= 64 this maps onto
-    # Hopper's warpgroup MMA with the query block as its small N, and the loop-invariant Q^T stays in
-    # shared memory instead of being re-assembled into registers on every tile.
-    m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    sel_idx = tl.arange(0, BLOCK_SEL)
+    num_iters = tl.maximum(j_end - j_begin, 0) * CHUNKS
     if KV_FMT == 1:
-        acc_even = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
-        acc_odd = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
-        q_even_t = tl.trans(q_even)
-        q_odd_t = tl.trans(q_odd)
         cols = tl.arange(0, 64)
         sc = tl.arange(0, 8)
         x64 = tl.cast(one * 64.0, tl.float16)
     else:
-        acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
-        q_t = tl.trans(q)
         one_dot = tl.cast(one, tl.float16)
-    offs_n = tl.arange(0, BLOCK_N)
-    sel_idx = tl.arange(0, BLOCK_SEL)
-    num_iters = tl.maximum(j_end - j_begin, 0) * CHUNKS
-    for it in range(0, num_iters):
-        jj = it // CHUNKS
-        o = (it % CHUNKS) * BLOCK_N + offs_n
-        this_page = sel_idx == jj
-        p_phys = tl.sum(tl.where(this_page, phys, 0), axis=0)
-        p_keys = tl.sum(tl.where(this_page, n_keys, 0), axis=0)
-        key_ok = o < p_keys  # keys past the row's limit are never read; a masked-off tile moves no memory
-        if KV_FMT == 1:
-            k_slot = kv_ptr + p_phys * stride_kv_p + (2 * g) * stride_kv_h
-            v_slot = k_slot + stride_kv_h
-            o64 = o.to(tl.int64)
-            data_mask = key_ok[:, None] & (cols < 64)[None, :]
-            scale_mask = key_ok[:, None] & (sc < 8)[None, :]
-            k_data = tl.load(k_slot + (o64 * 64)[:, None] + cols[None, :], mask=data_mask, other=0)
-            k_scales = tl.load(k_slot + PAGE_SIZE * 64 + (o64 * 8)[:, None] + sc[None, :], mask=scale_mask, other=0)
-            k_even, k_odd = _nvfp4_tile(k_data, k_scales, x64, USE_ASM)
-            s = tl.dot(k_even, q_even_t)
-            s = tl.dot(k_odd, q_odd_t, s)
-        else:
-            row = kv_ptr + p_phys * stride_kv_p + g * stride_kv_h + o.to(tl.int64) * stride_kv_o
-            kv_mask = key_ok[:, None] & d_ok[None, :]
-            k = _to_dot(tl.load(row[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT)
-            s = _dot(k, q_t, tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32), DOT)
 
-        s = tl.minimum(tl.maximum(s * qk[None, :], -FLT_MAX), FLT_MAX)  # base-2 logits, saturated
-        s = tl.where(key_ok[:, None], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=0))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[None, :])
-        l_i = l_i * alpha + tl.sum(p, axis=0)
-        m_i = m_new
-
+    if W == 1:
+        # Transposed tile products, keys as the MMA's M dimension: S^T = K Q^T [BLOCK_N, BLOCK_H] and
+        # O^T += V^T P^T [Dh, BLOCK_H]. With BLOCK_N >= 64 they map onto Hopper's warpgroup MMA with the
+        # query block as its small N, and the loop-invariant Q^T stays in shared memory.
+        m_i = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
         if KV_FMT == 1:
-            v_data = tl.load(v_slot + (o64 * 64)[:, None] + cols[None, :], mask=data_mask, other=0)
-            v_quad = PAGE_SIZE * 64 + (o64 // 4) * 32 + o64 % 4  # V scales in token-quad order
-            v_scales = tl.load(v_slot + v_quad[:, None] + (sc * 4)[None, :], mask=scale_mask, other=0)
-            v_even, v_odd = _nvfp4_tile(v_data, v_scales, x64, USE_ASM)
-            p16 = p.to(tl.float16)
-            acc_even = tl.dot(tl.trans(v_even), p16, acc_even * alpha[None, :])
-            acc_odd = tl.dot(tl.trans(v_odd), p16, acc_odd * alpha[None, :])
+            acc_even = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
+            acc_odd = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
+            q_even_t = tl.trans(q_even)
+            q_odd_t = tl.trans(q_odd)
         else:
-            v = tl.load(row[:, None] + HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+            acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
+            q_t = tl.trans(q)
+        offs_n = tl.arange(0, BLOCK_N)
+        for it in range(0, num_iters):
+            jj = it // CHUNKS
+            o = (it % CHUNKS) * BLOCK_N + offs_n
+            this_page = sel_idx == jj
+            p_phys = tl.sum(tl.where(this_page, phys, 0), axis=0)
+            p_keys = tl.sum(tl.where(this_page, n_keys, 0), axis=0)
+            key_ok = o < p_keys  # keys past the row's limit are never read; a masked-off tile moves no memory
+            if KV_FMT == 1:
+                k_slot = kv_ptr + p_phys * stride_kv_p + (2 * g) * stride_kv_h
+                v_slot = k_slot + stride_kv_h
+                o64 = o.to(tl.int64)
+                data_mask = key_ok[:, None] & (cols < 64)[None, :]
+                scale_mask = key_ok[:, None] & (sc < 8)[None, :]
+                k_data = tl.load(k_slot + (o64 * 64)[:, None] + cols[None, :], mask=data_mask, other=0)
+                k_scales = tl.load(k_slot + PAGE_SIZE * 64 + (o64 * 8)[:, None] + sc[None, :], mask=scale_mask,
+                                   other=0)
+                k_f = _nvfp4_scales(k_scales, x64, USE_ASM)
+                k_f = tl.reshape(tl.broadcast_to(k_f[:, :, None], [BLOCK_N, 8, 8]), [BLOCK_N, 64])
+                k_even, k_odd = _nvfp4_tile(k_data, k_f, USE_ASM)
+                s = tl.dot(k_even, q_even_t)
+                s = tl.dot(k_odd, q_odd_t, s)
+            else:
+                row = kv_ptr + p_phys * stride_kv_p + g * stride_kv_h + o.to(tl.int64) * stride_kv_o
+                kv_mask = key_ok[:, None] & d_ok[None, :]
+                k = _to_dot(tl.load(row[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT)
+                s = _dot(k, q_t, tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32), DOT)
+
+            s = tl.minimum(tl.maximum(s * qk[None, :], -FLT_MAX), FLT_MAX)  # base-2 logits, saturated
+            s = tl.where(key_ok[:, None], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=0))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[None, :])
+            l_i = l_i * alpha + tl.sum(p, axis=0)
+            m_i = m_new
+
+            if KV_FMT == 1:
+                v_data = tl.load(v_slot + (o64 * 64)[:, None] + cols[None, :], mask=data_mask, other=0)
+                v_quad = PAGE_SIZE * 64 + (o64 // 4) * 32 + o64 % 4  # V scales in token-quad order
+                v_scales = tl.load(v_slot + v_quad[:, None] + (sc * 4)[None, :], mask=scale_mask, other=0)
+                v_f = _nvfp4_scales(v_scales, x64, USE_ASM)
+                v_f = tl.reshape(tl.broadcast_to(v_f[:, :, None], [BLOCK_N, 8, 8]), [BLOCK_N, 64])
+                v_even, v_odd = _nvfp4_tile(v_data, v_f, USE_ASM)
+                p16 = p.to(tl.float16)
+                acc_even = tl.dot(tl.trans(v_even), p16, acc_even * alpha[None, :])
+                acc_odd = tl.dot(tl.trans(v_odd), p16, acc_odd * alpha[None, :])
+            else:
+                v = tl.load(row[:, None] + HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+                if DOT == 0:
+                    # The product keeps the float8 -> float16 conversion in registers, before the tile goes
+                    # through shared memory as float16 (else the compiler converts after, with byte loads).
+                    v = v.to(tl.float16) * one_dot
+                else:
+                    v = _to_dot(v, DOT)
+                acc = _dot(tl.trans(v), _to_dot(p, DOT), acc * alpha[None, :], DOT)
+        m_all = m_i
+        l_all = l_i
+        if KV_FMT == 1:
+            out_even = tl.trans(acc_even)
+            out_odd = tl.trans(acc_odd)
+        else:
+            out_acc = tl.trans(acc)
+    else:
+        # Key groups (value caches): a tile of BLOCK_N keys is W groups of KPW keys. The products are
+        # batched over the groups, [W, BLOCK_H, Dh] x [W, Dh, KPW], and each group keeps its own running
+        # (max, sum, accumulator), so every warp owns whole rows of the softmax: its max and sum need
+        # shuffles inside the warp only, never a block-wide barrier per tile. The W states are merged
+        # once, after the page list.
+        tl.static_assert(KV_FMT == 0, "NVFP4 tiles use the transposed products (key_groups)")
+        m_i = tl.full([W, BLOCK_H], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([W, BLOCK_H], dtype=tl.float32)
+        acc = tl.zeros([W, BLOCK_H, BLOCK_D], dtype=tl.float32)
+        q = tl.broadcast_to(q[None, :, :], [W, BLOCK_H, BLOCK_D])
+        qk3 = qk[None, :, None]
+        # Key o of a tile: group w holds keys w * KPW .. w * KPW + KPW - 1.
+        tile_keys = tl.arange(0, W)[:, None] * KPW + tl.arange(0, KPW)[None, :]  # [W, KPW]
+        for it in range(0, num_iters):
+            jj = it // CHUNKS
+            o = (it % CHUNKS) * BLOCK_N + tile_keys
+            this_page = sel_idx == jj
+            p_phys = tl.sum(tl.where(this_page, phys, 0), axis=0)
+            p_keys = tl.sum(tl.where(this_page, n_keys, 0), axis=0)
+            key_ok = o < p_keys  # keys past the row's limit are never read; a masked-off tile moves no memory
+            row = kv_ptr + p_phys * stride_kv_p + g * stride_kv_h + o.to(tl.int64) * stride_kv_o  # [W, KPW]
+            kv_mask = key_ok[:, :, None] & d_ok[None, None, :]
+            k = _to_dot(tl.load(row[:, :, None] + d[None, None, :], mask=kv_mask, other=0.0), DOT)
+            s = _dot(q, tl.permute(k, (0, 2, 1)), tl.zeros([W, BLOCK_H, KPW], dtype=tl.float32), DOT)
+
+            s = tl.minimum(tl.maximum(s * qk3, -FLT_MAX), FLT_MAX)  # base-2 logits, saturated
+            s = tl.where(key_ok[:, None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=2))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
+            alpha = tl.exp2(m_i - m_safe)
+            p = tl.exp2(s - m_safe[:, :, None])
+            l_i = l_i * alpha + tl.sum(p, axis=2)
+            m_i = m_new
+
+            v = tl.load(row[:, :, None] + HEAD_DIM + d[None, None, :], mask=kv_mask, other=0.0)
             if DOT == 0:
-                # The product keeps the float8 -> float16 conversion in registers, before the tile goes
-                # through shared memory as float16 (else the compiler converts after, with byte loads).
-                v = v.to(tl.float16) * one_dot
+                v = v.to(tl.float16) * one_dot  # see the transposed loop
             else:
                 v = _to_dot(v, DOT)
-            acc = _dot(tl.trans(v), _to_dot(p, DOT), acc * alpha[None, :], DOT)
+            acc = _dot(_to_dot(p, DOT), v, acc * alpha[:, :, None], DOT)
 
-    # The V factor, saturated like the scores (acc is 0 for rows without keys, never inf * 0).
+        # Merge the W key groups: weights exp2(m_w - m) (0 for a group without keys).
+        m_all = tl.max(m_i, axis=0)  # [BLOCK_H]
+        m_merge = tl.where(m_all == float("-inf"), 0.0, m_all)
+        group_w = tl.exp2(m_i - m_merge[None, :])  # [W, BLOCK_H]
+        l_all = tl.sum(l_i * group_w, axis=0)
+        out_acc = tl.sum(acc * group_w[:, :, None], axis=0)
+
+    # The V factor, saturated like the scores (the accumulator is 0 for rows without keys, never inf * 0).
     vf = tl.full([BLOCK_H], 1.0, tl.float32) * v_scale
     if HAS_V_SCALE:
         vf = tl.minimum(tl.maximum(vf * tl.load(v_scale_ptr), -FLT_MAX), FLT_MAX)
     if SPLIT:
         ws_row = (t * num_kv_heads * group + h) * num_splits + split
-        tl.store(ws_ptr + ws_row, m_i, mask=row_ok)
-        tl.store(ws_ptr + ws_rows + ws_row, l_i, mask=row_ok)
-        acc_cols = ws_ptr + 2 * ws_rows + ws_row[None, :] * HEAD_DIM  # [1, BLOCK_H]: one output row per column
+        tl.store(ws_ptr + ws_row, m_all, mask=row_ok)
+        tl.store(ws_ptr + ws_rows + ws_row, l_all, mask=row_ok)
+        acc_rows = ws_ptr + 2 * ws_rows + ws_row[:, None] * HEAD_DIM
         if KV_FMT == 1:
-            tl.store(acc_cols + 2 * c[:, None], acc_even, mask=row_ok[None, :])
-            tl.store(acc_cols + 2 * c[:, None] + 1, acc_odd, mask=row_ok[None, :])
+            tl.store(acc_rows + 2 * c[None, :], out_even, mask=row_ok[:, None])
+            tl.store(acc_rows + 2 * c[None, :] + 1, out_odd, mask=row_ok[:, None])
         else:
-            tl.store(acc_cols + d[:, None], acc, mask=d_ok[:, None] & row_ok[None, :])
+            tl.store(acc_rows + d[None, :], out_acc, mask=q_mask)
     else:
-        scale = vf / tl.where(l_i > 0, l_i, 1.0)  # no key: acc is 0, the output is 0
-        o_cols = out_ptr + t * stride_o_t + h.to(tl.int64)[None, :] * stride_o_h
+        scale = (vf / tl.where(l_all > 0, l_all, 1.0))[:, None]  # no key: the accumulator is 0, the output 0
+        o_rows = out_ptr + t * stride_o_t + h.to(tl.int64)[:, None] * stride_o_h
         if KV_FMT == 1:
-            tl.store(o_cols + (2 * c)[:, None] * stride_o_d, (acc_even * scale[None, :]).to(out_ptr.dtype.element_ty),
-                     mask=row_ok[None, :])
-            tl.store(o_cols + (2 * c + 1)[:, None] * stride_o_d,
-                     (acc_odd * scale[None, :]).to(out_ptr.dtype.element_ty), mask=row_ok[None, :])
+            tl.store(o_rows + (2 * c)[None, :] * stride_o_d, (out_even * scale).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
+            tl.store(o_rows + (2 * c + 1)[None, :] * stride_o_d, (out_odd * scale).to(out_ptr.dtype.element_ty),
+                     mask=row_ok[:, None])
         else:
-            tl.store(o_cols + d.to(tl.int64)[:, None] * stride_o_d,
-                     (acc * scale[None, :]).to(out_ptr.dtype.element_ty), mask=d_ok[:, None] & row_ok[None, :])
+            tl.store(o_rows + d.to(tl.int64)[None, :] * stride_o_d, (out_acc * scale).to(out_ptr.dtype.element_ty),
+                     mask=q_mask)
 
 
 @triton.jit
@@ -645,6 +725,17 @@ def _dot_dtype(q_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
     return _DOT_FP16
 
 
+def key_groups(plan: LaunchPlan, head_dim: int, nvfp4: bool) -> int:
+    """W, the key groups of a tile: 1 selects the transposed tile products (keys as the MMA's M: the
+    NVFP4 cache, whose decoding needs the registers, and blocks whose per-warp accumulator would be
+    large); otherwise one group per warp, as many as there are warps while every group keeps >= 16 keys
+    and a warp's accumulator ``[BLOCK_H, Dh]`` stays at 64 float32 registers per thread or fewer."""
+    block_d = max(next_pow2(head_dim), 16)
+    if nvfp4 or plan.block_h * block_d > 2048:
+        return 1
+    return max(1, min(plan.num_warps, plan.block_n // 16))
+
+
 def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_splits: int | None = None,
                   num_sms: int | None = None) -> LaunchPlan:
     """Block sizes, warps and the split of the page list, from shapes and dtypes only (no autotuning:
@@ -662,7 +753,9 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
     # Pad the query group to >= 16 rows (the smallest tl.dot M); very large groups use several blocks.
     block_h = min(max(next_pow2(group), 16), 64 if block_d <= 128 else 32)
     head_blocks = cdiv(group, block_h)
-    block_n = max(min(prev_pow2(page_size), 64 if block_d <= 128 else 32), 16)
+    # Keys per tile (at least 16): up to 64 (4 key groups of 16, see key_groups) for a value cache, up to
+    # 128 for NVFP4 (transposed products), 32 for Dh > 128.
+    block_n = max(min(prev_pow2(page_size), 128 if nvfp4 else 64 if block_d <= 128 else 32), 16)
     dot = _dot_dtype(q.dtype, kv_cache)
 
     if num_splits is None:
@@ -675,11 +768,11 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
     per_split = max(cdiv(n_sel, num_splits), 1)
     num_splits = max(cdiv(n_sel, per_split), 1)  # no empty split
     if dot == _DOT_FP32:  # float32 operands (a float16/bfloat16 mix, rare): small tiles, no prefetch
-        block_n, num_warps, num_stages = 16, 8, 1
-    elif block_d <= 128:
-        num_warps, num_stages = (4, 3) if block_h <= 32 else (8, 2)
+        block_n, num_warps, num_stages = 16, 4, 1
+    elif nvfp4 or block_h * block_d <= 2048:
+        num_warps, num_stages = 4, 3
     else:
-        num_warps, num_stages = 4, 2
+        num_warps, num_stages = (8, 2) if block_h >= 64 else (4, 2)
     return LaunchPlan(block_h, head_blocks, block_n, num_splits, num_warps, num_stages)
 
 
@@ -718,8 +811,9 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
         per_split, plan.num_splits, decode_query_len,
         qk_scale, v_scale, 1.0,
     )
-    meta = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=plan.block_h, BLOCK_D=block_d, BLOCK_N=plan.block_n,
-                BLOCK_SEL=max(next_pow2(per_split), 2), CHUNKS=cdiv(page_size, plan.block_n),
+    groups = key_groups(plan, head_dim, nvfp4)
+    meta = dict(HEAD_DIM=head_dim, PAGE_SIZE=page_size, BLOCK_H=plan.block_h, BLOCK_D=block_d, KEY_GROUPS=groups,
+                KPW=plan.block_n // groups, BLOCK_SEL=max(next_pow2(per_split), 2), CHUNKS=cdiv(page_size, plan.block_n),
                 KV_FMT=_FMT_NVFP4 if nvfp4 else _FMT_VALUES, DOT=dot,
                 Q_POW2=dot == _DOT_FP16 and q.dtype == torch.bfloat16, HAS_K_SCALE=has_k_scale,
                 HAS_V_SCALE=has_v_scale, SPLIT=split, USE_ASM=q.device.type == "cuda")
@@ -1040,6 +1134,6 @@ def gqa_kv_cache_insert_triton(k, v, slot_mapping, kv_cache, k_scale=1.0, v_scal
            v_scale_tensor if has_v else slot_mapping)
 
 
-__all__ = ["gqa_kv_cache_insert_torch", "gqa_kv_cache_insert_triton", "launch_config", "nvfp4_encode_torch",
+__all__ = ["gqa_kv_cache_insert_torch", "gqa_kv_cache_insert_triton", "key_groups", "launch_config", "nvfp4_encode_torch",
            "pages_per_split", "scale_product", "sparse_gqa_decode_dense", "sparse_gqa_decode_torch",
            "sparse_gqa_decode_triton"]
