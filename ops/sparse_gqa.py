@@ -18,18 +18,19 @@ Decode rules shared by both backends (the arguments were validated by the fake, 
 - inside a used page, key ``o`` (position ``x = b * page_size + o``) is used when
   ``x < min(qo_offset[t] + 1, kv_segment_lens[t])``; unused keys are never read (a masked load, not a
   product with zero), so stale, NaN or garbage bytes past a sequence's end cannot reach the output;
-- a selected page listed twice counts twice (the SPEC assumes distinct pages and nothing checks it);
+- a selected page listed twice counts twice (the contract assumes distinct pages and nothing checks it);
 - ``score = softmax_scale * q_scale * k_scale * k_scale_tensor * <q, k>`` and
   ``out = v_scale * v_scale_tensor * softmax(score) @ v`` in float32; a row without keys gets zeros;
 - overflow: products of the scale factors and scores are clamped to the finite float32 range, so the
   running maximum is always finite and a score that overflows float32 cannot produce NaN (the keys with
   the largest, saturated scores share the weight).
 
-Insert rounding (both backends write identical bytes): divisions are IEEE round-to-nearest
-(``tl.math.div_rn`` in Triton, whose ``/`` is approximate on the GPU), conversions to e4m3 / bf16 /
-fp16 go through the integer routines of ``ops/_rounding.py`` in Triton (the interpreter truncates in
-``.to()``), NaN inputs are stored as the format's canonical NaN, and bf16 inputs are widened by a
-shift of their bits.
+Insert rounding (both backends write identical bytes): divisions are correctly rounded (IEEE on the
+CPU and in the interpreter; on the GPU ``tl.math.div_rn``, or the correctly rounded reciprocal with
+Markstein's correction where that is exact, see ``_quotient``; Triton's ``/`` is approximate there);
+conversions to e4m3 / bf16 / fp16 round to nearest even (the hardware conversions on the GPU, the
+integer routines of ``ops/_rounding.py`` in the interpreter, which truncates in ``.to()``); NaN inputs
+are stored as the format's canonical NaN; bf16 inputs are widened by a shift of their bits.
 """
 
 from __future__ import annotations
