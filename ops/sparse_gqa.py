@@ -889,12 +889,13 @@ def _quotient(x, d, r, FAST: tl.constexpr):
     ``FAST`` (GPU): one product and two fused corrections, ``q = RN(x r)``, ``e = RN(x - q d)``,
     ``RN(q + e r)``, which is the correctly rounded quotient when ``r`` is the correctly rounded
     reciprocal and nothing over- or underflows (Markstein's theorem; the caller keeps ``d`` inside
-    ``[2**-60, 2**60]``, else it takes the other path). Otherwise (the interpreter, whose ``fma``
-    rounds twice) the IEEE division."""
+    ``[2**-60, 2**60]`` and ``|x| <= 2**60``, else it takes the other path). Otherwise (the
+    interpreter, whose ``fma`` rounds twice) the IEEE division."""
     if FAST:
         q = x * r
         e = tl.fma(-q, d, x)
-        return tl.fma(e, r, q)
+        # A zero quotient keeps the sign of x * r (-0.0 / s is -0.0; the correction would add +0.0).
+        return tl.where(q == 0.0, q, tl.fma(e, r, q))
     else:
         return _div_rn(x, d)
 
@@ -997,13 +998,15 @@ def _gqa_kv_cache_insert_kernel(
         dst = cache_ptr + (page * stride_c_p + g * stride_c_h + o * stride_c_o)[:, None] + d[None, :]
         if STORE == 0:
             if HW_CVT:
-                # x / s with the reciprocal of each row's s (exact for s in [2**-60, 2**60], see
-                # _quotient); a block with another s takes the division.
+                # x / s with the reciprocal of each row's s (exact for s in [2**-60, 2**60] and
+                # |x| <= 2**60, see _quotient); any other block takes the division.
                 k_r = _div_rn(tl.full([BLOCK_R], 1.0, tl.float32), ks)
                 v_r = _div_rn(tl.full([BLOCK_R], 1.0, tl.float32), vs)
                 in_range = ((tl.abs(ks) >= 2.0**-60) & (tl.abs(ks) <= 2.0**60) & (tl.abs(vs) >= 2.0**-60)
                             & (tl.abs(vs) <= 2.0**60))
-                if tl.min(in_range.to(tl.int32), axis=0) == 1:
+                # ... and no value past 2**60 (x * r must not overflow; an infinite value takes the division)
+                big = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+                if (tl.min(in_range.to(tl.int32), axis=0) == 1) & (big <= 2.0**60):
                     k_y = _quotient(k, ks[:, None], k_r[:, None], True)
                     v_y = _quotient(v, vs[:, None], v_r[:, None], True)
                 else:
@@ -1063,10 +1066,11 @@ def _nvfp4_write(x_rows, stride_d, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, 
     keep = (((scale_bits & 0x7F) != 0) & ((scale_bits & 0x7F) != 0x7F))[:, :, None]
     lo_abs, hi_abs = tl.abs(lo), tl.abs(hi)
     if HW_CVT:
-        # |x| / d with the reciprocal of each group's d (exact for d in [2**-60, 2**60], see _quotient);
-        # a block with a group outside (or a zero / NaN scale) takes the division.
+        # |x| / d with the reciprocal of each group's d (exact for d in [2**-60, 2**60] and |x| <= 2**60,
+        # see _quotient); a block with a group outside (a zero or NaN scale, a huge value) takes the
+        # division.
         r = _div_rn(tl.full(d.shape, 1.0, tl.float32), d)
-        in_range = (d >= 2.0**-60) & (d <= 2.0**60)
+        in_range = (d >= 2.0**-60) & (d <= 2.0**60) & (amax <= 2.0**60)[:, :, None]  # no overflow in x * r
         if tl.min(tl.min(tl.min(in_range.to(tl.int32), axis=2), axis=1), axis=0) == 1:
             lo_y = _quotient(lo_abs, d, r, True)
             hi_y = _quotient(hi_abs, d, r, True)

@@ -485,6 +485,75 @@ def test_reference_nvfp4_decoder_against_the_layout():
 
 
 # =====================================================================================================
+# gqa_kv_cache_insert inputs
+# =====================================================================================================
+
+INSERT_FORMATS = [BF16, FP16, FP8, NVFP4]
+
+
+def make_cache(kv_dtype, pages=3, hkv=2, page_size=8, dh=128, page_pad=5, device="cpu"):
+    """A cache whose every byte (page padding included) is random, so untouched bytes are recognisable."""
+    gen = torch.Generator().manual_seed(7)
+    if kv_dtype == NVFP4:
+        page_elems, shape = 2 * hkv * page_size * 72, (pages, 2 * hkv, page_size, 72)
+        strides = (page_elems + page_pad, page_size * 72, 72, 1)
+        storage = torch.randint(0, 256, (pages * (page_elems + page_pad) + 3,), generator=gen, dtype=torch.uint8)
+    else:
+        page_elems, shape = hkv * page_size * 2 * dh, (pages, hkv, page_size, 2 * dh)
+        strides = (page_elems + page_pad, page_size * 2 * dh, 2 * dh, 1)
+        width = 1 if kv_dtype == FP8 else 2
+        storage = torch.randint(0, 256, ((pages * (page_elems + page_pad) + 3) * width,), generator=gen,
+                                dtype=torch.uint8).view(kv_dtype)
+    return torch.as_strided(storage.to(device), shape, strides, 3)
+
+
+def make_kv(n: int, hkv: int, dh: int, dtype, seed: int) -> torch.Tensor:
+    """``[n, Hkv, Dh]`` values with seven decades of dynamic range between 16-value groups, plus: an
+    all-zero group, exact E2M1 ties under a scale of 1 (group amax 6), a -0.0, a huge group (its scale
+    saturates at 448), a group whose scale rounds to 0, values past 448 for the float8 cache, and a
+    value of 1e30."""
+    g = torch.Generator().manual_seed(seed)
+    groups = dh // 16
+    decades = torch.empty(n, hkv, groups).uniform_(-3.5, 3.5, generator=g)
+    x = torch.randn(n, hkv, dh, generator=g) * torch.pow(10.0, decades).repeat_interleave(16, dim=2)
+    if n > 0:
+        x[0, 0, :16] = 0.0
+        x[0, 0, 16:32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75,
+                                       -2.5, -3.5, -5.0, 7.0])
+        x[0, 0, 32] = 1.0
+        x[0, 0, 33] = -0.0
+        x[0, 0, 48:64] = 1e5
+        x[0, 0, 64:80] = 1e-9
+        x[0, 0, 80] = 1000.0
+    if n > 1:
+        x[1, 1, 0] = 1e30  # past 2**60: the GPU writer's block takes its division path (inf in fp16)
+    return x.to(dtype)
+
+
+def make_slots(num_slots: int, n_valid: int, seed: int) -> torch.Tensor:
+    """int64 slots: ``n_valid`` distinct valid ones (first and last included) and every kind of
+    skipped entry (negative, == num_slots, far past the end), shuffled."""
+    gen = torch.Generator().manual_seed(seed)
+    valid = torch.randperm(num_slots - 2, generator=gen)[: n_valid - 2] + 1
+    empty = torch.tensor([-1, -7, -(2**62), num_slots, num_slots + 5, 2**40])
+    slots = torch.cat([torch.tensor([0, num_slots - 1]), valid, empty])
+    return slots[torch.randperm(slots.shape[0], generator=gen)]
+
+
+def _insert_inputs(kv_dtype, in_dtype=FP32, scale_tensors=False, seed=0, device="cpu"):
+    cache = make_cache(kv_dtype, device=device)
+    num_slots = cache.shape[0] * cache.shape[2]
+    slots = make_slots(num_slots, 9, seed)
+    k = make_kv(slots.shape[0], 2, 128, in_dtype, seed=seed + 1)
+    v = make_kv(slots.shape[0], 2, 128, in_dtype, seed=seed + 2)
+    scales = dict(k_scale=0.5, v_scale=3.0)
+    if scale_tensors:
+        scales.update(k_scale_tensor=torch.tensor([0.375], device=device),
+                      v_scale_tensor=torch.tensor([2.5], device=device))
+    return cache, k.to(device), v.to(device), slots.to(device), scales
+
+
+# =====================================================================================================
 # Schema snapshots
 # =====================================================================================================
 
@@ -610,6 +679,116 @@ def test_cpu_score_overflow_is_not_nan(kv_dtype):
         torch.testing.assert_close(out[0].double(), expected.expand(4, 128).to(FP16).double(), atol=2e-3, rtol=2e-3)
 
 
+@pytest.mark.parametrize("scale_tensors", [False, True], ids=["float_scales", "scale_tensors"])
+@pytest.mark.parametrize("in_dtype", [BF16, FP16, FP32], ids=lambda d: f"in_{DTYPE_NAMES[d]}")
+@pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
+def test_insert_matches_reference(kv_dtype, in_dtype, scale_tensors):
+    """Every byte of the storage (page padding and other tokens included) equals the independent
+    reference's: the written tokens are encoded exactly, nothing else changes."""
+    cache, k, v, slots, scales = _insert_inputs(kv_dtype, in_dtype, scale_tensors)
+    want = make_cache(kv_dtype)
+    gqa_kv_cache_insert(k, v, slots, cache, **scales)
+    naive_insert(want, k, v, slots, **scales)
+    assert_same_bytes(cache, want)
+
+
+def test_insert_nvfp4_edge_cases():
+    """The scale and code rules on hand-made groups (KV head 0 of token 0, K, total scale 1)."""
+    cache = make_cache(NVFP4)
+    k = make_kv(1, 2, 128, FP32, seed=3)
+    gqa_kv_cache_insert(k, k, torch.tensor([0]), cache)
+    data, scales = nvfp4_positions(cache, 0, 0, 0, v_order=False)
+    storage = flat_bytes(cache)
+    scale_bytes, data_bytes = storage[scales].tolist(), storage[data].tolist()
+    codes = [data_bytes[i // 2] >> (4 * (i % 2)) & 15 for i in range(128)]
+    assert scale_bytes[0] == 0 and codes[:16] == [0] * 16  # all-zero group: scale 0, every code 0
+    # amax 7: 7 / 6 = 1.1667 rounds to the e4m3 1.125 (0x39); x / 1.125 -> the nearest E2M1 value
+    assert scale_bytes[1] == 0x39
+    assert codes[16:32] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 7]
+    assert codes[33] == 8  # -0.0 keeps its sign bit
+    assert scale_bytes[3] == 0x7E and codes[48:64] == [7] * 16  # 1e5 / 6 saturates at 448, codes clamp at 6
+    assert scale_bytes[4] == 0 and codes[64:80] == [0] * 16  # 1e-9 / 6 rounds to a zero scale
+
+
+def test_insert_nvfp4_ties_to_even():
+    """With the scale exactly 1 (amax 6), the values halfway between E2M1 neighbours go to the even code."""
+    cache = make_cache(NVFP4)
+    k = torch.zeros(1, 2, 128)
+    k[0, 0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.26, 0.74, 1.26, 1.74, 2.51, 3.49,
+                                 5.01, -6.0])
+    gqa_kv_cache_insert(k, k, torch.tensor([1]), cache)
+    data, scales = nvfp4_positions(cache, 0, 0, 1, v_order=False)
+    storage = flat_bytes(cache)
+    assert storage[scales[0]].item() == 0x38  # e4m3 1.0
+    b = storage[data].tolist()
+    codes = [b[i // 2] >> (4 * (i % 2)) & 15 for i in range(16)]
+    assert codes == [0, 2, 2, 4, 4, 6, 6, 7, 1, 1, 3, 3, 5, 5, 7, 15]
+
+
+@pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
+def test_insert_nan_inputs(kv_dtype):
+    """NaN is stored as the format's canonical NaN (an NVFP4 group with a NaN gets the NaN scale)."""
+    cache, k, v, slots, scales = _insert_inputs(kv_dtype, FP32, seed=5)
+    k[:, 1, 3] = float("nan")
+    v[:, 0, 100] = -float("nan")
+    want = make_cache(kv_dtype)
+    gqa_kv_cache_insert(k, v, slots, cache, **scales)
+    naive_insert(want, k, v, slots, **scales)
+    assert_same_bytes(cache, want)
+    slot = int(slots[(slots >= 0) & (slots < 24)][0])
+    page, row = divmod(slot, cache.shape[2])
+    if kv_dtype == NVFP4:
+        _, scale_pos = nvfp4_positions(cache, page, 2, row, v_order=False)
+        assert flat_bytes(cache)[scale_pos[0]].item() == 0x7F
+    else:
+        assert torch.isnan(cache[page, 1, row, 3].float())
+
+
+@pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
+def test_insert_nothing_to_write(kv_dtype):
+    cache, k, v, slots, scales = _insert_inputs(kv_dtype)
+    before = raw_bytes(cache)
+    gqa_kv_cache_insert(k[:0], v[:0], slots[:0], cache)
+    gqa_kv_cache_insert(k[:4], v[:4], torch.tensor([-1, 24, 2**40, -(2**62)]), cache, **scales)
+    assert torch.equal(raw_bytes(cache), before)
+
+
+@pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
+def test_insert_then_decode_round_trip(kv_dtype):
+    """Tokens written by gqa_kv_cache_insert, read back by sparse_gqa_decode, give attention over the
+    quantised values, close to attention over the originals."""
+    hkv, dh, ps, n = 2, 128, 16, 40
+    if kv_dtype == NVFP4:
+        cache = torch.full((3, 2 * hkv, ps, 72), 0xFF, dtype=torch.uint8)
+    else:
+        cache = torch.full((3, hkv, ps, 2 * dh), float("nan")).to(kv_dtype)
+    gen = torch.Generator().manual_seed(11)
+    k, v = torch.randn(n, hkv, dh, generator=gen), torch.randn(n, hkv, dh, generator=gen)
+    slots = torch.cat([torch.arange(32, 32 + 8), torch.arange(0, 32)])  # pages 2 (part), 0, 1
+    scales = dict(k_scale=0.25, v_scale=0.125) if kv_dtype in (FP8, NVFP4) else {}
+    gqa_kv_cache_insert(k, v, slots, cache, **scales)
+    q = torch.randn(2, 4, dh, generator=gen).to(FP16)
+    block_table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
+    lens = torch.tensor([40, 40], dtype=torch.int32)
+    topk = torch.tensor([[[0, 1, 2]] * hkv, [[2, 0, -1]] * hkv], dtype=torch.int32)
+    args = dict(q=q, kv_cache=cache, topk_pages=topk, block_table=block_table.expand(2, 3).contiguous(),
+                kv_segment_lens=lens, qo_offset=lens - 1, decode_query_len=1, softmax_scale=dh ** -0.5, **scales)
+    out = _public(args)
+    assert_matches_reference(out, args)  # the stored values, decoded independently
+    # and close to attention over the unquantised values (position p of the sequence is row p of k / v)
+    order = torch.argsort(slots)
+    kk, vv = k[order], v[order]  # sorted by slot == position
+    want = torch.zeros(2, 4, dh, dtype=torch.float64)
+    for t, pages in enumerate(([0, 1, 2], [2, 0])):
+        pos = torch.cat([torch.arange(16 * p, min(16 * p + 16, 40)) for p in pages])
+        for h in range(4):
+            g = h // 2
+            p = torch.softmax(q[t, h].double() @ kk[pos, g].double().T * dh ** -0.5, 0)
+            want[t, h] = p @ vv[pos, g].double()
+    err = ((out.double() - want).norm() / want.norm()).item()
+    assert err < {BF16: 1e-2, FP16: 5e-3, FP8: 8e-2, NVFP4: 0.3}[kv_dtype], err
+
+
 # =====================================================================================================
 # Triton interpreter parity (CPU tensors; tl.dot operands must be fp16/fp32 there, see the docs)
 # =====================================================================================================
@@ -731,182 +910,6 @@ def test_launch_config_splits_small_batches():
     assert gqa_ops.launch_config(q, cache, 16, num_splits=100).num_splits == 16  # never an empty split
     nvfp4 = torch.empty(8, 8, 128, 72, dtype=torch.uint8)
     assert gqa_ops.launch_config(q, nvfp4, 16, num_sms=132).num_splits == small.num_splits
-
-
-# =====================================================================================================
-# gqa_kv_cache_insert: inputs, reference parity, interpreter parity
-# =====================================================================================================
-
-INSERT_FORMATS = [BF16, FP16, FP8, NVFP4]
-
-
-def make_cache(kv_dtype, pages=3, hkv=2, page_size=8, dh=128, page_pad=5, device="cpu"):
-    """A cache whose every byte (page padding included) is random, so untouched bytes are recognisable."""
-    gen = torch.Generator().manual_seed(7)
-    if kv_dtype == NVFP4:
-        page_elems, shape = 2 * hkv * page_size * 72, (pages, 2 * hkv, page_size, 72)
-        strides = (page_elems + page_pad, page_size * 72, 72, 1)
-        storage = torch.randint(0, 256, (pages * (page_elems + page_pad) + 3,), generator=gen, dtype=torch.uint8)
-    else:
-        page_elems, shape = hkv * page_size * 2 * dh, (pages, hkv, page_size, 2 * dh)
-        strides = (page_elems + page_pad, page_size * 2 * dh, 2 * dh, 1)
-        width = 1 if kv_dtype == FP8 else 2
-        storage = torch.randint(0, 256, ((pages * (page_elems + page_pad) + 3) * width,), generator=gen,
-                                dtype=torch.uint8).view(kv_dtype)
-    return torch.as_strided(storage.to(device), shape, strides, 3)
-
-
-def make_kv(n: int, hkv: int, dh: int, dtype, seed: int) -> torch.Tensor:
-    """``[n, Hkv, Dh]`` values with seven decades of dynamic range between 16-value groups, plus: an
-    all-zero group, exact E2M1 ties under a scale of 1 (group amax 6), a -0.0, a huge group (its scale
-    saturates at 448), a group whose scale rounds to 0, and values past 448 for the float8 cache."""
-    g = torch.Generator().manual_seed(seed)
-    groups = dh // 16
-    decades = torch.empty(n, hkv, groups).uniform_(-3.5, 3.5, generator=g)
-    x = torch.randn(n, hkv, dh, generator=g) * torch.pow(10.0, decades).repeat_interleave(16, dim=2)
-    if n > 0:
-        x[0, 0, :16] = 0.0
-        x[0, 0, 16:32] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -0.75, -1.25, -1.75,
-                                       -2.5, -3.5, -5.0, 7.0])
-        x[0, 0, 32] = 1.0
-        x[0, 0, 33] = -0.0
-        x[0, 0, 48:64] = 1e5
-        x[0, 0, 64:80] = 1e-9
-        x[0, 0, 80] = 1000.0
-    return x.to(dtype)
-
-
-def make_slots(num_slots: int, n_valid: int, seed: int) -> torch.Tensor:
-    """int64 slots: ``n_valid`` distinct valid ones (first and last included) and every kind of
-    skipped entry (negative, == num_slots, far past the end), shuffled."""
-    gen = torch.Generator().manual_seed(seed)
-    valid = torch.randperm(num_slots - 2, generator=gen)[: n_valid - 2] + 1
-    empty = torch.tensor([-1, -7, -(2**62), num_slots, num_slots + 5, 2**40])
-    slots = torch.cat([torch.tensor([0, num_slots - 1]), valid, empty])
-    return slots[torch.randperm(slots.shape[0], generator=gen)]
-
-
-def _insert_inputs(kv_dtype, in_dtype=FP32, scale_tensors=False, seed=0, device="cpu"):
-    cache = make_cache(kv_dtype, device=device)
-    num_slots = cache.shape[0] * cache.shape[2]
-    slots = make_slots(num_slots, 9, seed)
-    k = make_kv(slots.shape[0], 2, 128, in_dtype, seed=seed + 1)
-    v = make_kv(slots.shape[0], 2, 128, in_dtype, seed=seed + 2)
-    scales = dict(k_scale=0.5, v_scale=3.0)
-    if scale_tensors:
-        scales.update(k_scale_tensor=torch.tensor([0.375], device=device),
-                      v_scale_tensor=torch.tensor([2.5], device=device))
-    return cache, k.to(device), v.to(device), slots.to(device), scales
-
-
-@pytest.mark.parametrize("scale_tensors", [False, True], ids=["float_scales", "scale_tensors"])
-@pytest.mark.parametrize("in_dtype", [BF16, FP16, FP32], ids=lambda d: f"in_{DTYPE_NAMES[d]}")
-@pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
-def test_insert_matches_reference(kv_dtype, in_dtype, scale_tensors):
-    """Every byte of the storage (page padding and other tokens included) equals the independent
-    reference's: the written tokens are encoded exactly, nothing else changes."""
-    cache, k, v, slots, scales = _insert_inputs(kv_dtype, in_dtype, scale_tensors)
-    want = make_cache(kv_dtype)
-    gqa_kv_cache_insert(k, v, slots, cache, **scales)
-    naive_insert(want, k, v, slots, **scales)
-    assert_same_bytes(cache, want)
-
-
-def test_insert_nvfp4_edge_cases():
-    """The scale and code rules on hand-made groups (KV head 0 of token 0, K, total scale 1)."""
-    cache = make_cache(NVFP4)
-    k = make_kv(1, 2, 128, FP32, seed=3)
-    gqa_kv_cache_insert(k, k, torch.tensor([0]), cache)
-    data, scales = nvfp4_positions(cache, 0, 0, 0, v_order=False)
-    storage = flat_bytes(cache)
-    scale_bytes, data_bytes = storage[scales].tolist(), storage[data].tolist()
-    codes = [data_bytes[i // 2] >> (4 * (i % 2)) & 15 for i in range(128)]
-    assert scale_bytes[0] == 0 and codes[:16] == [0] * 16  # all-zero group: scale 0, every code 0
-    # amax 7: 7 / 6 = 1.1667 rounds to the e4m3 1.125 (0x39); x / 1.125 -> the nearest E2M1 value
-    assert scale_bytes[1] == 0x39
-    assert codes[16:32] == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 7]
-    assert codes[33] == 8  # -0.0 keeps its sign bit
-    assert scale_bytes[3] == 0x7E and codes[48:64] == [7] * 16  # 1e5 / 6 saturates at 448, codes clamp at 6
-    assert scale_bytes[4] == 0 and codes[64:80] == [0] * 16  # 1e-9 / 6 rounds to a zero scale
-
-
-def test_insert_nvfp4_ties_to_even():
-    """With the scale exactly 1 (amax 6), the values halfway between E2M1 neighbours go to the even code."""
-    cache = make_cache(NVFP4)
-    k = torch.zeros(1, 2, 128)
-    k[0, 0, :16] = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 0.26, 0.74, 1.26, 1.74, 2.51, 3.49,
-                                 5.01, -6.0])
-    gqa_kv_cache_insert(k, k, torch.tensor([1]), cache)
-    data, scales = nvfp4_positions(cache, 0, 0, 1, v_order=False)
-    storage = flat_bytes(cache)
-    assert storage[scales[0]].item() == 0x38  # e4m3 1.0
-    b = storage[data].tolist()
-    codes = [b[i // 2] >> (4 * (i % 2)) & 15 for i in range(16)]
-    assert codes == [0, 2, 2, 4, 4, 6, 6, 7, 1, 1, 3, 3, 5, 5, 7, 15]
-
-
-@pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
-def test_insert_nan_inputs(kv_dtype):
-    """NaN is stored as the format's canonical NaN (an NVFP4 group with a NaN gets the NaN scale)."""
-    cache, k, v, slots, scales = _insert_inputs(kv_dtype, FP32, seed=5)
-    k[:, 1, 3] = float("nan")
-    v[:, 0, 100] = -float("nan")
-    want = make_cache(kv_dtype)
-    gqa_kv_cache_insert(k, v, slots, cache, **scales)
-    naive_insert(want, k, v, slots, **scales)
-    assert_same_bytes(cache, want)
-    slot = int(slots[(slots >= 0) & (slots < 24)][0])
-    page, row = divmod(slot, cache.shape[2])
-    if kv_dtype == NVFP4:
-        _, scale_pos = nvfp4_positions(cache, page, 2, row, v_order=False)
-        assert flat_bytes(cache)[scale_pos[0]].item() == 0x7F
-    else:
-        assert torch.isnan(cache[page, 1, row, 3].float())
-
-
-@pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
-def test_insert_nothing_to_write(kv_dtype):
-    cache, k, v, slots, scales = _insert_inputs(kv_dtype)
-    before = raw_bytes(cache)
-    gqa_kv_cache_insert(k[:0], v[:0], slots[:0], cache)
-    gqa_kv_cache_insert(k[:4], v[:4], torch.tensor([-1, 24, 2**40, -(2**62)]), cache, **scales)
-    assert torch.equal(raw_bytes(cache), before)
-
-
-@pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
-def test_insert_then_decode_round_trip(kv_dtype):
-    """Tokens written by gqa_kv_cache_insert, read back by sparse_gqa_decode, give attention over the
-    quantised values, close to attention over the originals."""
-    hkv, dh, ps, n = 2, 128, 16, 40
-    if kv_dtype == NVFP4:
-        cache = torch.full((3, 2 * hkv, ps, 72), 0xFF, dtype=torch.uint8)
-    else:
-        cache = torch.full((3, hkv, ps, 2 * dh), float("nan")).to(kv_dtype)
-    gen = torch.Generator().manual_seed(11)
-    k, v = torch.randn(n, hkv, dh, generator=gen), torch.randn(n, hkv, dh, generator=gen)
-    slots = torch.cat([torch.arange(32, 32 + 8), torch.arange(0, 32)])  # pages 2 (part), 0, 1
-    scales = dict(k_scale=0.25, v_scale=0.125) if kv_dtype in (FP8, NVFP4) else {}
-    gqa_kv_cache_insert(k, v, slots, cache, **scales)
-    q = torch.randn(2, 4, dh, generator=gen).to(FP16)
-    block_table = torch.tensor([[0, 1, 2]], dtype=torch.int32)
-    lens = torch.tensor([40, 40], dtype=torch.int32)
-    topk = torch.tensor([[[0, 1, 2]] * hkv, [[2, 0, -1]] * hkv], dtype=torch.int32)
-    args = dict(q=q, kv_cache=cache, topk_pages=topk, block_table=block_table.expand(2, 3).contiguous(),
-                kv_segment_lens=lens, qo_offset=lens - 1, decode_query_len=1, softmax_scale=dh ** -0.5, **scales)
-    out = _public(args)
-    assert_matches_reference(out, args)  # the stored values, decoded independently
-    # and close to attention over the unquantised values (position p of the sequence is row p of k / v)
-    order = torch.argsort(slots)
-    kk, vv = k[order], v[order]  # sorted by slot == position
-    want = torch.zeros(2, 4, dh, dtype=torch.float64)
-    for t, pages in enumerate(([0, 1, 2], [2, 0])):
-        pos = torch.cat([torch.arange(16 * p, min(16 * p + 16, 40)) for p in pages])
-        for h in range(4):
-            g = h // 2
-            p = torch.softmax(q[t, h].double() @ kk[pos, g].double().T * dh ** -0.5, 0)
-            want[t, h] = p @ vv[pos, g].double()
-    err = ((out.double() - want).norm() / want.norm()).item()
-    assert err < {BF16: 1e-2, FP16: 5e-3, FP8: 8e-2, NVFP4: 0.3}[kv_dtype], err
 
 
 INTERPRETER_INSERT_CASES = [
