@@ -400,12 +400,9 @@ def _sparse_gqa_decode_kernel(
     USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (GPU); the plain path runs in the interpreter
 ):
     # One program: row t, KV head g, a block of that head's query group, one split of the page list.
-    # Each selected page is read once and serves every query head of the block.
-    #
-    # A tile of BLOCK_N keys is W groups of KPW keys. The products are batched over the groups,
-    # [W, BLOCK_H, Dh] x [W, Dh, KPW], and each group keeps its own running (max, sum, accumulator),
-    # so every warp owns whole rows of the softmax: its max and sum need shuffles inside the warp only,
-    # never a block-wide barrier per tile. The W states are merged once, after the page list.
+    # Each selected page is read once and serves every query head of the block. The tile products take
+    # one of two forms, chosen by the launcher (key_groups): transposed (W == 1) or per-warp key groups
+    # (W > 1); see the two loops below.
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
     W: tl.constexpr = KEY_GROUPS
     BLOCK_N: tl.constexpr = KEY_GROUPS * KPW
@@ -713,6 +710,8 @@ def _sparse_gqa_combine_kernel(
 _MAX_PAGES_PER_PROGRAM = 64
 # Partial rows (heads x splits) the combine kernel loads per step.
 _COMBINE_ROWS = 32
+# The splits are grid dimension 1, which CUDA caps at 65535.
+_MAX_GRID_Y = 65535
 
 _PLANS = PlanCache()
 
@@ -765,7 +764,7 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
         num_splits = cdiv(n_sel, _MAX_PAGES_PER_PROGRAM)
         if 0 < programs < sms:  # too few programs to fill the GPU: aim at about two per SM
             num_splits = max(num_splits, min(cdiv(2 * sms, programs), n_sel))
-    num_splits = max(num_splits, 1)
+    num_splits = min(max(num_splits, 1), _MAX_GRID_Y)
     per_split = max(cdiv(n_sel, num_splits), 1)
     num_splits = max(cdiv(n_sel, per_split), 1)  # no empty split
     if dot == _DOT_FP32:  # float32 operands (a float16/bfloat16 mix, rare): small tiles, no prefetch

@@ -125,14 +125,11 @@ def nvfp4_positions(cache: torch.Tensor, page: int, slot: int, token: int, v_ord
 def nvfp4_decode_slot(cache: torch.Tensor, page: int, slot: int, v_order: bool) -> torch.Tensor:
     """float64 ``[page_size, 128]``: the decoded values of one slot, from its bytes."""
     storage = flat_bytes(cache).cpu()
-    rows = []
-    for token in range(cache.shape[2]):
-        data, scales = nvfp4_positions(cache, page, slot, token, v_order)
-        b = storage[data].long()
-        codes = torch.stack([b & 15, b >> 4], dim=1).flatten()  # value 2i: the low nibble of byte i
-        scale = E4M3_TABLE[storage[scales].long()].repeat_interleave(16)
-        rows.append(E2M1_TABLE[codes] * scale)
-    return torch.stack(rows)
+    positions = [nvfp4_positions(cache, page, slot, token, v_order) for token in range(cache.shape[2])]
+    data = storage[torch.tensor([pos[0] for pos in positions])].long()  # [page_size, 64]
+    scales = E4M3_TABLE[storage[torch.tensor([pos[1] for pos in positions])].long()]  # [page_size, 8]
+    codes = torch.stack([data & 15, data >> 4], dim=2).flatten(1)  # value 2i: the low nibble of byte i
+    return E2M1_TABLE[codes] * scales.repeat_interleave(16, dim=1)
 
 
 def nvfp4_encode_token(x: torch.Tensor, s: np.float32):
