@@ -507,6 +507,7 @@ def _sparse_gqa_decode_kernel(
             acc_odd = tl.zeros([HALF, BLOCK_H], dtype=tl.float32)
             q_even_t = tl.trans(q_even)
             q_odd_t = tl.trans(q_odd)
+            qb = tl.arange(0, 32)
         else:
             acc = tl.zeros([BLOCK_D, BLOCK_H], dtype=tl.float32)
             q_t = tl.trans(q)
@@ -549,8 +550,16 @@ def _sparse_gqa_decode_kernel(
 
             if KV_FMT == 1:
                 v_data = tl.load(v_slot + (o64 * 64)[:, None] + cols[None, :], mask=data_mask, other=0)
-                v_quad = PAGE_SIZE * 64 + (o64 // 4) * 32 + o64 % 4  # V scales in token-quad order
-                v_scales = tl.load(v_slot + v_quad[:, None] + (sc * 4)[None, :], mask=scale_mask, other=0)
+                # V scales are stored by token quads (byte 4j + r of quad q: scale j of token 4q + r): load
+                # the tile's quads as whole 32-byte rows and transpose them in registers, then drop the
+                # scales of keys past the limit that share a quad with visible ones (a select: those
+                # bytes may be anything, NaN included).
+                quads = (it % CHUNKS) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
+                quad_ok = quads * 4 < p_keys
+                v_quads = tl.load(v_slot + PAGE_SIZE * 64 + (quads.to(tl.int64) * 32)[:, None] + qb[None, :],
+                                  mask=quad_ok[:, None] & (qb < 32)[None, :], other=0)
+                v_scales = tl.reshape(tl.permute(tl.reshape(v_quads, [BLOCK_N // 4, 8, 4]), (0, 2, 1)), [BLOCK_N, 8])
+                v_scales = tl.where(key_ok[:, None], v_scales, 0)
                 v_f = _nvfp4_scales(v_scales, x64, USE_ASM)
                 v_f = tl.reshape(tl.broadcast_to(v_f[:, :, None], [BLOCK_N, 8, 8]), [BLOCK_N, 64])
                 v_even, v_odd = _nvfp4_tile(v_data, v_f, USE_ASM)
