@@ -446,8 +446,10 @@ def _sparse_gqa_decode_kernel(
     if KV_FMT == 1:
         HALF: tl.constexpr = HEAD_DIM // 2
         c = tl.arange(0, HALF).to(tl.int64)
-        q_even = tl.load(q_rows + (2 * c)[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q_odd = tl.load(q_rows + (2 * c + 1)[None, :] * stride_q_d, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        dims = tl.arange(0, HEAD_DIM).to(tl.int64)
+        q_full = tl.load(q_rows + dims[None, :] * stride_q_d, mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :],
+                         other=0.0).to(tl.float32)
+        q_even, q_odd = tl.split(tl.reshape(q_full, [BLOCK_H, HALF, 2]))
         if Q_POW2:
             up, down = _pow2_row_scale(tl.maximum(tl.max(tl.abs(q_even), 1), tl.max(tl.abs(q_odd), 1)))
             q_even = q_even * up[:, None]
