@@ -10,8 +10,9 @@ Both backends produce the same bytes:
 - divisions are IEEE round-to-nearest (``tl.math.div_rn`` in Triton: ``/`` is an approximate division
   on the GPU);
 - every float -> e4m3 / bf16 / fp16 rounding in Triton is done on the float32 bit pattern by
-  ``_round_to_small_float`` (round to nearest even, saturating), because the Triton interpreter
-  truncates in ``.to()`` while the GPU rounds; the PyTorch side uses torch's RNE conversions;
+  ``round_to_small_float`` (``ops/_rounding.py``; round to nearest even, saturating), because the
+  Triton interpreter truncates in ``.to()`` while the GPU rounds; the PyTorch side uses torch's RNE
+  conversions;
 - the UE8M0 exponent ``ceil(log2(y))`` is read from the exponent and mantissa bits of ``y`` (exact;
   ``log2`` is approximate on the GPU);
 - bf16 inputs are widened by a shift of their bits (the interpreter flushes bf16 subnormals);
@@ -31,6 +32,10 @@ import torch
 from ..meta_kernels._formats import FORMAT_IDS, cache_dim
 from ._formats import dequantize_torch, load_kv_cols
 from ._launch import KernelLaunch, PlanCache, cdiv, next_pow2
+from ._rounding import bf16_bits as _bf16_bits
+from ._rounding import e4m3_bits as _e4m3_bits
+from ._rounding import f16_bits as _f16_bits
+from ._rounding import load_as_f32 as _load_as_f32
 from ._triton import tl, triton
 
 E4M3_MAX = 448.0
@@ -149,62 +154,9 @@ def kv_cache_gather_torch(kv_cache, slots, kv_format, dtype=None, *, out):
 
 
 @triton.jit
-def _round_to_small_float(x, MBITS: tl.constexpr, EBITS: tl.constexpr, BIAS: tl.constexpr,
-                          MAX_MAG: tl.constexpr, NAN_BITS: tl.constexpr):
-    """int32 bit pattern of float32 ``x`` rounded to nearest even in a float format with ``MBITS``
-    mantissa bits, ``EBITS`` exponent bits and exponent bias ``BIAS`` (subnormals included); the
-    magnitude saturates at the pattern ``MAX_MAG`` (448 for e4m3fn, so +-inf too; inf for bf16/fp16);
-    every NaN becomes ``NAN_BITS``, the format's canonical quiet NaN. Integer arithmetic only, so the
-    GPU and the interpreter give the same bits."""
-    bits = x.to(tl.int32, bitcast=True)
-    sign = (bits >> 31) & 1
-    mag = bits & 0x7FFFFFFF
-    is_nan = mag > 0x7F800000  # (the rounding below overflows int32 for these; the select drops it)
-    exp = mag >> 23
-    SHIFT: tl.constexpr = 23 - MBITS
-    # Normal results: round the float32 mantissa to MBITS bits (a carry moves into the exponent), rebias.
-    normal = ((mag + ((1 << (SHIFT - 1)) - 1) + ((mag >> SHIFT) & 1)) >> SHIFT) - ((127 - BIAS) << MBITS)
-    # Subnormal results (|x| < 2**(1 - BIAS)): the significand counted in units of the smallest
-    # subnormal, 2**(1 - BIAS - MBITS), rounded to an integer; 2**MBITS units is the smallest normal.
-    sig = (mag & 0x7FFFFF) | tl.where(exp > 0, 0x800000, 0)
-    # float32 subnormals (exp == 0) have the scale of exp == 1; [1, 31] keeps every shift defined.
-    drop = tl.minimum(tl.maximum(151 - BIAS - MBITS - tl.maximum(exp, 1), 1), 31)
-    kept = sig >> drop
-    rest = sig & ((1 << drop) - 1)
-    half = 1 << (drop - 1)
-    sub = kept + ((rest > half) | ((rest == half) & ((kept & 1) == 1))).to(tl.int32)
-    mag_out = tl.minimum(tl.where(exp < 128 - BIAS, sub, normal), MAX_MAG)
-    return tl.where(is_nan, NAN_BITS, mag_out | (sign << (EBITS + MBITS)))
-
-
-@triton.jit
-def _e4m3_bits(x):
-    return _round_to_small_float(x, 3, 4, 7, 0x7E, 0x7F)
-
-
-@triton.jit
-def _bf16_bits(x):
-    return _round_to_small_float(x, 7, 8, 127, 0x7F80, 0x7FC0)
-
-
-@triton.jit
-def _f16_bits(x):
-    return _round_to_small_float(x, 10, 5, 15, 0x7C00, 0x7E00)
-
-
-@triton.jit
 def _canonical_f32(x):
     """``x`` with every NaN replaced by the canonical float32 NaN 0x7FC00000."""
     return tl.where(x == x, x, tl.full(x.shape, 0x7FC00000, tl.int32).to(tl.float32, bitcast=True))
-
-
-@triton.jit
-def _load_as_f32(ptrs, mask, IS_BF16: tl.constexpr):
-    """float32 of the values at ``ptrs``; bf16 arrives as int16 bits and is widened by a shift."""
-    if IS_BF16:
-        return (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-    else:
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
 
 @triton.jit

@@ -1,51 +1,91 @@
-"""Time launch configurations of the sparse GQA decode kernel on the benchmark's shapes (GPU only).
+"""Time launch configurations of the sparse GQA kernels on the benchmark's shapes (GPU only).
 
-    python scripts/sweep_gqa.py
+    python scripts/sweep_gqa.py [fp8|nvfp4|insert ...]
 
-One line per (configuration, variant): microseconds and the difference from the default variant.
-Used to choose the defaults of ``ops/sparse_gqa.py::launch_config``; not a test, not the benchmark.
+One line per (configuration, variant): microseconds (median of CUDA-graph replays) and the relative
+difference from the default variant's output. Used to choose the defaults of
+``ops/sparse_gqa.py::launch_config`` (and ``_INSERT_ROWS``); not a test, not the benchmark.
 """
+
+import sys
 
 import torch
 
 from torch_sparse_mla.bench import gqa
 from torch_sparse_mla.bench.common import graph_us
-from torch_sparse_mla.ops.sparse_gqa import sparse_gqa_decode_triton
+from torch_sparse_mla.ops import sparse_gqa as ops
 
-VARIANTS = {
+# Decode variants: LaunchPlan overrides (block_n: keys per tile; value caches use one key group per
+# warp up to block_n / 16 groups) and split counts.
+DECODE_VARIANTS = {
     "default": {},
-    "w4": dict(num_warps=4),
-    "w4_s2": dict(num_warps=4, num_stages=2),
-    "w4_s4": dict(num_warps=4, num_stages=4),
-    "bn128_w4": dict(block_n=128, num_warps=4, num_stages=2),
-    "bn128_w8": dict(block_n=128, num_warps=8, num_stages=2),
-    "bn32_w4": dict(block_n=32, num_warps=4),
-    "w8_s2": dict(num_warps=8, num_stages=2),
+    "bn128": dict(block_n=128),
+    "bn64": dict(block_n=64),
+    "w8": dict(num_warps=8),
+    "bn128_w8": dict(block_n=128, num_warps=8),
+    "s2": dict(num_stages=2),
+    "s4": dict(num_stages=4),
+    "bn128_s2": dict(block_n=128, num_stages=2),
 }
+SPLIT_VARIANTS = (1, 2, 4, 8, 16)
+INSERT_ROWS = (8, 16, 32, 64)
 
 
-def main():
+def sweep_decode(kv_format):
     for decode_query_len in gqa.QUERY_LENS:
         for num_rows in gqa.ROWS:
             if num_rows % decode_query_len:
                 continue
-            args, _ = gqa._inputs(num_rows, decode_query_len, seed=num_rows * 10 + decode_query_len, device="cuda")
+            args, _, _ = gqa._decode_inputs(kv_format, num_rows, decode_query_len,
+                                            seed=num_rows * 10 + decode_query_len, device="cuda")
             base = None
-            for name, cfg in VARIANTS.items():
+            variants = [(name, cfg, None) for name, cfg in DECODE_VARIANTS.items()]
+            variants += [(f"splits{s}", {}, s) for s in SPLIT_VARIANTS]
+            for name, cfg, splits in variants:
                 out = torch.empty_like(args[0])
 
-                def run(out=out, cfg=cfg):
-                    sparse_gqa_decode_triton(*args, out=out, config=cfg)
+                def run(out=out, cfg=cfg, splits=splits):
+                    ops.sparse_gqa_decode_triton(*args, out=out, config=cfg, num_splits=splits)
 
                 try:
                     us = graph_us(run)
                 except Exception as exc:  # noqa: BLE001 - a variant that does not compile is reported
-                    print(f"T={num_rows} q_len={decode_query_len} {name}: failed ({type(exc).__name__})", flush=True)
+                    print(f"{kv_format} T={num_rows} q_len={decode_query_len} {name}: failed ({type(exc).__name__})",
+                          flush=True)
                     continue
                 base = out.float() if base is None else base
                 err = ((out.float() - base).norm() / base.norm()).item()
-                print(f"T={num_rows:>3} q_len={decode_query_len} {name:>9}: {us:7.1f} us (diff {err:.1e})", flush=True)
+                print(f"{kv_format} T={num_rows:>3} q_len={decode_query_len} {name:>10}: {us:7.1f} us (diff {err:.1e})",
+                      flush=True)
+
+
+def sweep_insert():
+    for kv_format in gqa.FORMATS:
+        case = gqa._insert_case(kv_format, "cuda")
+        for rows in INSERT_ROWS:
+            k = torch.randn(gqa.INSERT_TOKENS, gqa.HKV, gqa.HEAD_DIM, device="cuda").to(torch.bfloat16)
+            slots = torch.randperm(2 * gqa.INSERT_TOKENS, device="cuda")[:gqa.INSERT_TOKENS]
+            if kv_format == "fp8":
+                cache = torch.zeros(2 * gqa.INSERT_TOKENS // gqa.PAGE_SIZE, gqa.HKV, gqa.PAGE_SIZE, 2 * gqa.HEAD_DIM,
+                                    dtype=torch.float8_e4m3fn, device="cuda")
+            else:
+                cache = torch.zeros(2 * gqa.INSERT_TOKENS // gqa.PAGE_SIZE, 2 * gqa.HKV, gqa.PAGE_SIZE, 72,
+                                    dtype=torch.uint8, device="cuda")
+
+            def run(rows=rows, cache=cache, k=k, slots=slots):
+                ops.gqa_kv_cache_insert_triton(k, k, slots, cache, 0.05, 0.5, block_r=rows)
+
+            print(f"insert {kv_format} rows/program={rows:>3}: {graph_us(run):7.1f} us  ({case.name})", flush=True)
+
+
+def main(argv):
+    what = argv or ["fp8", "nvfp4", "insert"]
+    for item in what:
+        if item == "insert":
+            sweep_insert()
+        else:
+            sweep_decode(item)
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

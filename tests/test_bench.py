@@ -30,10 +30,12 @@ def test_cases_smoke(family, monkeypatch):
         result = case.check()
         if result.startswith("rel "):
             assert float(result.split()[1]) < 2e-2, f"{case.name}: {result}"
+        elif result.startswith("bytes "):  # a cache writer against a baseline with its own rounding
+            assert float(result.split()[1]) < 2e-2, f"{case.name}: {result}"
         else:
             assert result == "exact", f"{case.name}: {result}"
         operators.add(case.operator)
-    expected = {"mla": {"sparse_mla_decode"}, "gqa": {"sparse_gqa_decode"},
+    expected = {"mla": {"sparse_mla_decode"}, "gqa": {"sparse_gqa_decode", "gqa_kv_cache_insert"},
                 "metadata": {"swa_indices", "compressed_slot_mapping", "c128a_topk_indices",
                              "compressed_topk_to_global", "decode_runtime_metadata"},
                 "kv_cache": {"kv_cache_insert", "kv_cache_gather"}}[family]

@@ -15,7 +15,7 @@ from torch_sparse_mla.metadata import (
     decode_runtime_metadata,
     swa_indices,
 )
-from torch_sparse_mla.sparse_gqa import sparse_gqa_decode
+from torch_sparse_mla.sparse_gqa import gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.sparse_mla import sparse_mla_decode
 from torch_sparse_mla.steps import (
     DeepSeekV4Metadata,
@@ -35,6 +35,7 @@ __all__ = [
     "compressed_slot_mapping",
     "compressed_topk_to_global",
     "decode_runtime_metadata",
+    "gqa_kv_cache_insert",
     "kv_cache_gather",
     "kv_cache_insert",
     "sparse_gqa_decode",

@@ -2,8 +2,8 @@
 
 ``torch.ops.sparse_mla`` is the library's namespace (it also holds the sparse GQA operator). Each
 operator ``NAME`` has a functional overload that returns new tensors and an ``out`` overload that
-writes caller-owned buffers and returns nothing (``kv_cache_insert`` writes the cache and has only that
-form). Three implementations are registered for every overload, by name, at the bottom of this file:
+writes caller-owned buffers and returns nothing (``kv_cache_insert`` and ``gqa_kv_cache_insert`` write
+the cache and have only that form). Three implementations are registered for every overload, by name, at the bottom of this file:
 
 - the fake (``meta_kernels/<family>.py``: ``NAME`` / ``NAME_out``), which validates the arguments from
   metadata alone and allocates the functional outputs;
@@ -110,11 +110,19 @@ SCHEMAS: dict[str, tuple[str | None, str, tuple[str, ...]]] = {
     "sparse_gqa_decode": (
         "(Tensor q, Tensor kv_cache, Tensor topk_pages, Tensor block_table, Tensor kv_segment_lens, "
         "Tensor qo_offset, int decode_query_len, float softmax_scale, float q_scale=1.0, "
-        "float k_scale=1.0, float v_scale=1.0) -> Tensor",
+        "float k_scale=1.0, float v_scale=1.0, Tensor? k_scale_tensor=None, "
+        "Tensor? v_scale_tensor=None) -> Tensor",
         "(Tensor q, Tensor kv_cache, Tensor topk_pages, Tensor block_table, Tensor kv_segment_lens, "
         "Tensor qo_offset, int decode_query_len, float softmax_scale, float q_scale=1.0, "
-        "float k_scale=1.0, float v_scale=1.0, *, Tensor(a!) out) -> ()",
+        "float k_scale=1.0, float v_scale=1.0, Tensor? k_scale_tensor=None, "
+        "Tensor? v_scale_tensor=None, *, Tensor(a!) out) -> ()",
         ("out",),
+    ),
+    "gqa_kv_cache_insert": (
+        None,
+        "(Tensor k, Tensor v, Tensor slot_mapping, Tensor(a!) kv_cache, float k_scale=1.0, "
+        "float v_scale=1.0, Tensor? k_scale_tensor=None, Tensor? v_scale_tensor=None) -> ()",
+        (),
     ),
 }
 
@@ -279,3 +287,6 @@ _register("sparse_mla_decode",
 _register("sparse_gqa_decode",
           fake=sparse_gqa_meta.sparse_gqa_decode, fake_out=sparse_gqa_meta.sparse_gqa_decode_out,
           cpu=sparse_gqa_ops.sparse_gqa_decode_torch, cuda=sparse_gqa_ops.sparse_gqa_decode_triton)
+_register("gqa_kv_cache_insert",
+          fake=None, fake_out=sparse_gqa_meta.gqa_kv_cache_insert,
+          cpu=sparse_gqa_ops.gqa_kv_cache_insert_torch, cuda=sparse_gqa_ops.gqa_kv_cache_insert_triton)

@@ -1,13 +1,18 @@
-"""Benchmark cases of sparse_gqa_decode: MiniMax-M3 MSA decode shapes.
+"""Benchmark cases of the sparse GQA operators: MiniMax-M3 MSA decode shapes and the cache writer.
 
-Hq = 64 query heads over Hkv = 4 KV heads, head_dim 128, pages of 128 tokens, 16 selected pages per
-(row, KV head), float8_e4m3fn cache and bfloat16 queries; T rows in {1, 16, 64, 256} with 1 or 4 query
-tokens per request (T = 1 exists only with one query token per request).
+Decode: Hq = 64 query heads over Hkv = 4 KV heads, head_dim 128, pages of 128 tokens, 16 selected
+pages per (row, KV head), bfloat16 queries; a float8 cache and an NVFP4 cache; T rows in
+{1, 16, 64, 256} with 1 or 4 query tokens per request (T = 1 exists only with one token per request).
+Insert: 4096 tokens x 4 KV heads x 128 (bfloat16 K and V) into a float8 and an NVFP4 cache.
 
-Bytes count what the kernel must move: the visible keys of every (row, KV head) selection (each row
-reads its pages itself, even when the rows of one request select the same pages), q, the output and the
-index lists. FLOPs: ``4 * Hq / Hkv * Dh`` per visible key of each (row, KV head) (QK^T and PV).
-The reference is the gather-and-softmax expression of the CPU kernel compiled with ``torch.compile``.
+Bytes count what a call must move. Decode: the visible keys of every (row, KV head) selection at the
+format's bytes per key (256 for float8 K and V, 144 for NVFP4: 2 x (64 data + 8 scale bytes)), each row
+reading its pages itself even when the rows of one request select the same pages, plus q, the output
+and the index lists. Insert: K and V read, the slots, and the bytes written. FLOPs (decode):
+``4 * Hq / Hkv * Dh`` per visible key of each (row, KV head) (QK^T and PV).
+
+The reference of every case is the plain-PyTorch function of ``bench/baselines.py`` (what a user
+writes without the library) compiled with ``torch.compile(fullgraph=True)``, on the same inputs.
 """
 
 from __future__ import annotations
@@ -16,22 +21,45 @@ from typing import Iterator
 
 import torch
 
-from torch_sparse_mla import decode_runtime_metadata, sparse_gqa_decode
+from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
+from torch_sparse_mla.bench import baselines
 from torch_sparse_mla.bench.common import Case, compile_reference, rel_err
-from torch_sparse_mla.ops.sparse_gqa import sparse_gqa_decode_dense
 
 HQ, HKV, HEAD_DIM, PAGE_SIZE, N_SEL = 64, 4, 128, 128, 16
 CONTEXT_PAGES = 32  # pages per request: contexts of up to 4096 tokens
 ROWS = (1, 16, 64, 256)
 QUICK_ROWS = (1, 64)
 QUERY_LENS = (1, 4)
-SMOKE_ROWS = (4,)  # smoke=True: tiny configurations (with SMOKE_CONTEXT_PAGES pages per request)
+SMOKE_ROWS = (4,)  # smoke=True: tiny configurations (SMOKE_CONTEXT_PAGES pages per request, 2 selected)
 SMOKE_CONTEXT_PAGES = 4
+FORMATS = ("fp8", "nvfp4")
+INSERT_TOKENS = 4096
+KEY_BYTES = {"fp8": 2 * HEAD_DIM, "nvfp4": 2 * 72}  # K and V of one key of one KV head
+
+_BASELINES = {"fp8": baselines.gqa_fp8, "nvfp4": baselines.gqa_nvfp4}
+_INSERT_BASELINES = {"fp8": baselines.gqa_insert_fp8, "nvfp4": baselines.gqa_insert_nvfp4}
 
 
-def _inputs(num_rows: int, decode_query_len: int, seed: int, device: str, context_pages: int = CONTEXT_PAGES,
-            n_sel: int = N_SEL):
-    """Arguments in schema order and the number of visible keys over all (row, KV head)."""
+def _cache(kv_format: str, num_pages: int, gen: torch.Generator, device: str) -> torch.Tensor:
+    """A full cache of random values (written with gqa_kv_cache_insert for NVFP4)."""
+    if kv_format == "fp8":
+        cache = torch.empty(num_pages, HKV, PAGE_SIZE, 2 * HEAD_DIM, dtype=torch.float8_e4m3fn, device=device)
+        for start in range(0, num_pages, 512):  # bounded float32 temporaries
+            chunk = cache[start:start + 512]
+            chunk.copy_(torch.randn(chunk.shape, device=device) * 2)
+        return cache
+    cache = torch.empty(num_pages, 2 * HKV, PAGE_SIZE, 72, dtype=torch.uint8, device=device)
+    tokens = num_pages * PAGE_SIZE
+    for start in range(0, tokens, 1 << 16):
+        n = min(1 << 16, tokens - start)
+        k, v = (torch.randn(n, HKV, HEAD_DIM, device=device) * 2 for _ in range(2))
+        gqa_kv_cache_insert(k, v, torch.arange(start, start + n, device=device), cache)
+    return cache
+
+
+def _decode_inputs(kv_format: str, num_rows: int, decode_query_len: int, seed: int, device: str,
+                   context_pages: int = CONTEXT_PAGES, n_sel: int = N_SEL):
+    """Arguments of the operator (schema order), of the baseline, and the number of visible keys."""
     gen = torch.Generator().manual_seed(seed)
     batch = num_rows // decode_query_len
     num_pages = batch * context_pages
@@ -49,52 +77,97 @@ def _inputs(num_rows: int, decode_query_len: int, seed: int, device: str, contex
     limit = torch.minimum(qo + 1, kv_lens).to(torch.int64)
     keys = (limit[:, None, None] - topk_pages.to(torch.int64) * PAGE_SIZE).clamp(0, PAGE_SIZE).sum().item()
 
-    kv_cache = torch.empty(num_pages, HKV, PAGE_SIZE, 2 * HEAD_DIM, dtype=torch.float8_e4m3fn, device=device)
-    for start in range(0, num_pages, 512):  # bounded float32 temporaries
-        chunk = kv_cache[start:start + 512]
-        chunk.copy_(torch.randn(chunk.shape, device=device) * 2)
-    q = torch.randn(num_rows, HQ, HEAD_DIM, device=device).to(torch.bfloat16)
-    args = (q, kv_cache, topk_pages.to(device), block_table.to(device), kv_lens.to(device), qo.to(device),
-            decode_query_len, HEAD_DIM ** -0.5, 1.0, 0.05, 0.5)
-    return args, keys
+    kv_cache = _cache(kv_format, num_pages, gen, device)
+    q = torch.randn(num_rows, HQ, HEAD_DIM, generator=gen).to(device=device, dtype=torch.bfloat16)
+    topk_pages, block_table, kv_lens, qo = (x.to(device) for x in (topk_pages, block_table, kv_lens, qo))
+    scale = HEAD_DIM ** -0.5
+    args = (q, kv_cache, topk_pages, block_table, kv_lens, qo, decode_query_len, scale)
+    # The baseline takes one block-table row per query row and the last visible position.
+    baseline_args = (q, kv_cache, topk_pages, block_table[req.to(device)], qo, scale)
+    return args, baseline_args, keys
 
 
-def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Iterator[Case]:
-    """The benchmark configurations (``device="cpu", smoke=True``: tiny ones, to exercise the
-    factory without a GPU)."""
+def _decode_cases(kv_format: str, quick: bool, device: str, smoke: bool) -> Iterator[Case]:
     context_pages, n_sel = (SMOKE_CONTEXT_PAGES, 2) if smoke else (CONTEXT_PAGES, N_SEL)
     for decode_query_len in QUERY_LENS:
         for num_rows in SMOKE_ROWS if smoke else QUICK_ROWS if quick else ROWS:
             if num_rows % decode_query_len:
                 continue
-            args, keys = _inputs(num_rows, decode_query_len, seed=num_rows * 10 + decode_query_len,
-                                 device=device, context_pages=context_pages, n_sel=n_sel)
-            q, kv_cache, topk_pages, block_table, kv_lens, qo, dql, scale, q_scale, k_scale, v_scale = args
+            args, baseline_args, keys = _decode_inputs(kv_format, num_rows, decode_query_len,
+                                                       seed=num_rows * 10 + decode_query_len, device=device,
+                                                       context_pages=context_pages, n_sel=n_sel)
+            q, kv_cache, topk_pages, block_table, kv_lens, qo, dql, scale = args
             out = torch.empty_like(q)
 
             def run(args=args, out=out):
-                q, kv_cache, topk_pages, block_table, kv_lens, qo, dql, scale, q_scale, k_scale, v_scale = args
+                q, kv_cache, topk_pages, block_table, kv_lens, qo, dql, scale = args
                 return sparse_gqa_decode(q, kv_cache, topk_pages, block_table, kv_lens, qo, decode_query_len=dql,
-                                         softmax_scale=scale, q_scale=q_scale, k_scale=k_scale, v_scale=v_scale,
-                                         out=out)
+                                         softmax_scale=scale, out=out)
 
-            reference_fn = compile_reference(sparse_gqa_decode_dense)
-
-            def reference(args=args, reference_fn=reference_fn):
-                return reference_fn(*args)
+            def reference(baseline_args=baseline_args, fn=compile_reference(_BASELINES[kv_format])):
+                return fn(*baseline_args)
 
             def check(run=run, reference=reference):
                 return rel_err(run(), reference())
 
             row_bytes = HQ * HEAD_DIM * 2 * 2 + HKV * n_sel * 4 + 8  # q and out (bf16), page lists, lengths
             yield Case(
-                name=f"fp8 kv bf16 q Hq={HQ} Hkv={HKV} D={HEAD_DIM} page={PAGE_SIZE} sel={n_sel} "
+                name=f"{kv_format} kv bf16 q Hq={HQ} Hkv={HKV} D={HEAD_DIM} page={PAGE_SIZE} sel={n_sel} "
                      f"T={num_rows} q_len={decode_query_len}",
                 flops=4.0 * (HQ // HKV) * HEAD_DIM * keys,
-                bytes=float(keys * 2 * HEAD_DIM * kv_cache.element_size() + num_rows * row_bytes),
+                bytes=float(keys * KEY_BYTES[kv_format] + num_rows * row_bytes),
                 run=run,
                 reference=reference,
                 check=check,
                 operator="sparse_gqa_decode",
                 host_overhead=num_rows == 1,
             )
+
+
+def _insert_case(kv_format: str, device: str, tokens: int = INSERT_TOKENS) -> Case:
+    gen = torch.Generator().manual_seed(7)
+    num_pages = 2 * tokens // PAGE_SIZE  # half the slots are written
+    if kv_format == "fp8":
+        shape, dtype = (num_pages, HKV, PAGE_SIZE, 2 * HEAD_DIM), torch.float8_e4m3fn
+    else:
+        shape, dtype = (num_pages, 2 * HKV, PAGE_SIZE, 72), torch.uint8
+    cache = torch.zeros(shape, dtype=dtype, device=device)
+    ref_cache = torch.zeros_like(cache)
+    k, v = (torch.randn(tokens, HKV, HEAD_DIM, generator=gen).to(device=device, dtype=torch.bfloat16)
+            for _ in range(2))
+    slots = torch.randperm(num_pages * PAGE_SIZE, generator=gen)[:tokens].to(device)
+    k_scale, v_scale = 0.05, 0.5
+
+    def run():
+        gqa_kv_cache_insert(k, v, slots, cache, k_scale=k_scale, v_scale=v_scale)
+
+    def reference(fn=compile_reference(_INSERT_BASELINES[kv_format])):
+        fn(k, v, slots, ref_cache, k_scale, v_scale)
+
+    def check():
+        run()
+        reference()
+        # Bytes that differ from the plain-PyTorch writer, which picks its own rounding of the NVFP4 group
+        # scales (the operator's bytes are checked bit for bit against the contract in the tests).
+        a, b = cache.view(torch.uint8), ref_cache.view(torch.uint8)
+        return f"bytes {(a != b).float().mean().item():.1e}"
+
+    written = KEY_BYTES[kv_format] * tokens * HKV
+    return Case(
+        name=f"gqa_kv_cache_insert {kv_format} N={tokens} Hkv={HKV} D={HEAD_DIM} bf16 k/v",
+        flops=0.0,
+        bytes=float(2 * k.numel() * k.element_size() + slots.numel() * 8 + written),
+        run=run,
+        reference=reference,
+        check=check,
+        operator="gqa_kv_cache_insert",
+    )
+
+
+def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Iterator[Case]:
+    """The benchmark configurations (``device="cpu", smoke=True``: tiny ones, to exercise the
+    factory without a GPU)."""
+    for kv_format in FORMATS:
+        yield from _decode_cases(kv_format, quick, device, smoke)
+    for kv_format in FORMATS:
+        yield _insert_case(kv_format, device, tokens=64 if smoke else INSERT_TOKENS)

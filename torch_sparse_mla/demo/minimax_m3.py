@@ -23,6 +23,7 @@ from typing import Callable
 import torch
 
 import torch_sparse_mla as tsm
+from torch_sparse_mla.bench import baselines
 
 from ._common import (check_graphs, compile_step, cudagraph_skips, format_table, rel_err, say, stage_row, warm,
                       whole_step_rows)
@@ -58,7 +59,26 @@ def _fp8_read(cache, pages, heads):
     return kv[..., :dh], kv[..., dh:]
 
 
-FORMATS = {"fp8": Format(_fp8_make, _fp8_write, _fp8_read)}
+def _nvfp4_make(pages, hkv, page_size, dh, device):
+    if dh != 128:
+        raise ValueError(f"--m3-format nvfp4: the NVFP4 cache has head dim 128, got {dh}")
+    return torch.zeros(pages, 2 * hkv, page_size, 72, dtype=torch.uint8, device=device)
+
+
+def _nvfp4_write(k, v, slots, cache, k_scale, v_scale):
+    baselines.gqa_insert_nvfp4(k, v, slots, cache, k_scale, v_scale)
+
+
+def _nvfp4_read(cache, pages, heads):
+    """Slot 2g of a page is KV head g's K, 2g + 1 its V (values times their e4m3 group scales)."""
+    num_pages, slots_per_page, ps, _ = cache.shape
+    flat = cache.reshape(num_pages, slots_per_page, ps * 72)
+    k = baselines._nvfp4_values(flat[pages, 2 * heads], ps, False).float()
+    v = baselines._nvfp4_values(flat[pages, 2 * heads + 1], ps, True).float()
+    return k, v
+
+
+FORMATS = {"fp8": Format(_fp8_make, _fp8_write, _fp8_read), "nvfp4": Format(_nvfp4_make, _nvfp4_write, _nvfp4_read)}
 
 
 @dataclasses.dataclass(frozen=True)
