@@ -637,7 +637,8 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
     if num_tokens == 0:
         return
     has_extra = extra_kv_cache is not None
-    key = (q.shape, q.stride(), q.dtype, kv_cache.shape, kv_cache.stride(), indices.shape, indices.stride(),
+    key = (q.shape, q.stride(), q.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, indices.shape,
+           indices.stride(),
            None if topk_length is None else topk_length.stride(0),
            None if attn_sink is None else attn_sink.stride(0),
            None if not has_extra else (extra_kv_cache.shape, extra_kv_cache.stride(), extra_indices.shape,

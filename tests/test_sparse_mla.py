@@ -783,7 +783,9 @@ def _hopper_device() -> bool:
     return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-requires_hopper = pytest.mark.skipif(not _hopper_device(), reason="needs an sm_90 GPU (the Hopper kernel)")
+def requires_hopper(test):
+    """A GPU test of the Hopper kernel: skipped elsewhere, selected by ``-m cuda`` like every GPU test."""
+    return pytest.mark.cuda(pytest.mark.skipif(not _hopper_device(), reason="needs an sm_90 GPU (the Hopper kernel)")(test))
 
 
 @requires_hopper
