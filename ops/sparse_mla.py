@@ -544,25 +544,25 @@ def _pieces(dim: int, head_dim_v: int) -> tuple[int, int, bool]:
 _PLANS = PlanCache()
 
 
-def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
-                   extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan: LaunchPlan):
-    """The launches of one plan, and the workspace size. Absent optional tensors get stand-ins (the
-    ``HAS_*`` constexprs keep them from being read); ``lse`` holds the workspace's place."""
-    num_tokens, num_heads, dim = q.shape
-    pv, pt, has_tail = _pieces(dim, head_dim_v)
-    splits = plan.num_splits
-    factors = softmax_factors(softmax_scale)
-    ws_ml_off = num_tokens * splits * num_heads * 4 * pv
-    ws_numel = ws_ml_off + num_tokens * splits * num_heads * 2 if splits > 1 else 0
-    has_extra = extra_kv_cache is not None
-    xc = extra_kv_cache if has_extra else kv_cache
-    xi = extra_indices if has_extra else indices
-    length = topk_length if topk_length is not None else indices
-    xlength = extra_topk_length if extra_topk_length is not None else indices
-    sink = attn_sink if attn_sink is not None else lse
+def _stand_ins(kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length, lse):
+    """``(length, xc, xi, xlength, sink)``: the optional tensors, with any tensor standing in for an
+    absent one (the ``HAS_*`` constexprs keep a stand-in from being read)."""
+    xc, xi = (extra_kv_cache, extra_indices) if extra_kv_cache is not None else (kv_cache, indices)
+    return (topk_length if topk_length is not None else indices, xc, xi,
+            extra_topk_length if extra_topk_length is not None else indices,
+            attn_sink if attn_sink is not None else lse)
+
+
+def _kernel_args(q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length,
+                 out, lse, ws_ml_off, plan: LaunchPlan, factors):
+    """The run-time arguments of either decode kernel (portable and Hopper take the same list); the
+    tensors in them come in the order ``q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse,
+    ws``, and ``lse`` holds the workspace's place."""
+    length, xc, xi, xlength, sink = _stand_ins(kv_cache, indices, topk_length, attn_sink, extra_kv_cache,
+                                               extra_indices, extra_topk_length, lse)
     pages, page_size, _ = kv_cache.shape
     x_pages, x_page_size, _ = xc.shape
-    args = (
+    return (
         q, q.stride(0), q.stride(1), q.stride(2),
         kv_cache, kv_cache.stride(0), kv_cache.stride(1), page_size, pages * page_size,
         indices, indices.stride(0), indices.stride(1), indices.shape[1],
@@ -574,8 +574,22 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
         out, out.stride(0), out.stride(1), out.stride(2),
         lse, lse.stride(0), lse.stride(1),
         lse, ws_ml_off,  # the workspace
-        num_heads, plan.head_blocks, splits, *factors,
+        q.shape[1], plan.head_blocks, plan.num_splits, *factors,
     )
+
+
+def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
+                   extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan: LaunchPlan):
+    """The launches of one plan, and the workspace size."""
+    num_tokens, num_heads, dim = q.shape
+    pv, pt, has_tail = _pieces(dim, head_dim_v)
+    splits = plan.num_splits
+    factors = softmax_factors(softmax_scale)
+    ws_ml_off = num_tokens * splits * num_heads * 4 * pv
+    ws_numel = ws_ml_off + num_tokens * splits * num_heads * 2 if splits > 1 else 0
+    has_extra = extra_kv_cache is not None
+    args = _kernel_args(q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                        extra_topk_length, out, lse, ws_ml_off, plan, factors)
     fold = kv_format == "fp8_656" and head_dim_v == 512  # the four V pieces are the four scale groups
     meta = dict(
         BLOCK_H=plan.block_h, BLOCK_N=plan.block_n, DV=head_dim_v, PV=pv, D=dim, PT=pt, HAS_TAIL=has_tail,
@@ -609,14 +623,16 @@ def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, 
 def _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink, extra_kv_cache,
                           extra_indices, extra_topk_length, out, lse, plan: LaunchPlan):
     num_tokens, num_heads, _ = q.shape
-    main = hopper.make_launch(q, kv_cache, indices, softmax_factors(softmax_scale), kv_format, topk_length, attn_sink,
-                              extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
+    factors = softmax_factors(softmax_scale)
+    ws_ml_off = num_tokens * plan.num_splits * num_heads * 512  # the combine's layout, acc of 512 dims
+    args = _kernel_args(q, kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices,
+                        extra_topk_length, out, lse, ws_ml_off, plan, factors)
+    main = hopper.make_launch(args, q, kv_format, topk_length, attn_sink, extra_kv_cache, extra_topk_length, plan)
     if plan.num_splits == 1:
         return 0, main, None
-    ws_ml_off = num_tokens * plan.num_splits * num_heads * 512
     ws_numel = ws_ml_off + num_tokens * plan.num_splits * num_heads * 2
     return ws_numel, main, _make_combine(num_tokens, num_heads, 512, 512, plan.num_splits, ws_ml_off, attn_sink, out,
-                                         lse, softmax_factors(softmax_scale))
+                                         lse, factors)
 
 
 def kernel_path(q, kv_cache, kv_format="auto", head_dim_v=512, extra_kv_cache=None) -> str:
@@ -668,11 +684,8 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
                                    extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
         entry = _PLANS.put(key, entry)
     ws_numel, main, combine = entry
-    # Stand-ins for absent optional tensors, in the order of _make_launches.
-    length = topk_length if topk_length is not None else indices
-    xc, xi = (extra_kv_cache, extra_indices) if has_extra else (kv_cache, indices)
-    xlength = extra_topk_length if extra_topk_length is not None else indices
-    sink = attn_sink if attn_sink is not None else lse
+    length, xc, xi, xlength, sink = _stand_ins(kv_cache, indices, topk_length, attn_sink, extra_kv_cache,
+                                               extra_indices, extra_topk_length, lse)
     if combine is None:
         main(q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse, lse)
         return

@@ -645,41 +645,18 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
                       num_warps=4, num_stages=1)
 
 
-def make_launch(q, kv_cache, indices, factors, kv_format, topk_length, attn_sink, extra_kv_cache, extra_indices,
-                extra_topk_length, out, lse, plan: LaunchPlan) -> KernelLaunch:
-    """The main launch of one plan, taking the tensors in the order of ``ops/sparse_mla.py``'s launcher
-    (``q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse, ws``); with ``plan.num_splits > 1``
-    it writes the workspace of the portable combine kernel (``acc`` of 512 dims per row)."""
-    num_tokens, num_heads, dim = q.shape
-    splits = plan.num_splits
-    ws_ml_off = num_tokens * splits * num_heads * 512
+def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cache, extra_topk_length,
+                plan: LaunchPlan) -> KernelLaunch:
+    """The main launch of one plan. ``args`` are the run-time arguments both decode kernels share
+    (``ops/sparse_mla.py::_kernel_args``); with ``plan.num_splits > 1`` the kernel writes the workspace
+    of the portable combine kernel (``acc`` of 512 dims per row)."""
+    num_tokens, _, dim = q.shape
     has_extra = extra_kv_cache is not None
-    xc = extra_kv_cache if has_extra else kv_cache
-    xi = extra_indices if has_extra else indices
-    length = topk_length if topk_length is not None else indices
-    xlength = extra_topk_length if extra_topk_length is not None else indices
-    sink = attn_sink if attn_sink is not None else lse
-    pages, page_size, _ = kv_cache.shape
-    x_pages, x_page_size, _ = xc.shape
-    args = (
-        q, q.stride(0), q.stride(1), q.stride(2),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), page_size, pages * page_size,
-        indices, indices.stride(0), indices.stride(1), indices.shape[1],
-        length, length.stride(0),
-        xc, xc.stride(0), xc.stride(1), x_page_size, x_pages * x_page_size,
-        xi, xi.stride(0), xi.stride(1), xi.shape[1],
-        xlength, xlength.stride(0),
-        sink, sink.stride(0),
-        out, out.stride(0), out.stride(1), out.stride(2),
-        lse, lse.stride(0), lse.stride(1),
-        lse, ws_ml_off,  # the workspace
-        num_heads, plan.head_blocks, splits, *factors,
-    )
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
-                HAS_SINK=attn_sink is not None, SPLIT=splits > 1, WORKER_REGS=_WORKER_REGS)
-    return KernelLaunch(_sparse_mla_decode_hopper_kernel, (num_tokens * splits * plan.head_blocks,), args, meta,
-                        num_warps=4, device=q.device)
+                HAS_SINK=attn_sink is not None, SPLIT=plan.num_splits > 1, WORKER_REGS=_WORKER_REGS)
+    return KernelLaunch(_sparse_mla_decode_hopper_kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args,
+                        meta, num_warps=4, device=q.device)
 
 
 __all__ = ["BLOCK_H", "HAS_GLUON", "make_launch", "plan_launch", "supported"]
