@@ -1025,8 +1025,8 @@ def _gqa_kv_cache_insert_kernel(
             else:
                 k_y = _div_rn(k, ks[:, None])
                 v_y = _div_rn(v, vs[:, None])
-            k_y = tl.minimum(tl.maximum(k_y, -448.0), 448.0)  # the clamp keeps NaN
-            v_y = tl.minimum(tl.maximum(v_y, -448.0), 448.0)
+            k_y = _clamp_keep_nan(k_y, 448.0)
+            v_y = _clamp_keep_nan(v_y, 448.0)
             tl.store(dst, _e4m3_byte(k_y, HW_CVT).to(tl.uint8), mask=in_mask)
             tl.store(dst + HEAD_DIM, _e4m3_byte(v_y, HW_CVT).to(tl.uint8), mask=in_mask)
         else:
@@ -1036,6 +1036,14 @@ def _gqa_kv_cache_insert_kernel(
         k_slot = cache_ptr + page * stride_c_p + (2 * g) * stride_c_h
         _nvfp4_write(k_rows, stride_k_d, ks, k_slot, o, ok, PAGE_SIZE, IN_BF16, False, HW_CVT)
         _nvfp4_write(v_rows, stride_v_d, vs, k_slot + stride_c_h, o, ok, PAGE_SIZE, IN_BF16, True, HW_CVT)
+
+
+@triton.jit
+def _clamp_keep_nan(x, bound):
+    """``x`` clamped to ``[-bound, bound]``, NaN kept (the GPU's plain min / max return the other
+    operand for a NaN, the interpreter's keep it: without ``propagate_nan`` the two backends differ)."""
+    x = tl.maximum(x, -bound, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(x, bound, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
@@ -1067,7 +1075,7 @@ def _nvfp4_write(x_rows, stride_d, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, 
             scale_y = _div_rn(amax, six_s)
     else:
         scale_y = _div_rn(amax, six_s)
-    scale_y = tl.minimum(tl.maximum(scale_y, -448.0), 448.0)  # the clamp keeps NaN
+    scale_y = _clamp_keep_nan(scale_y, 448.0)
     scale_bits = _e4m3_byte(scale_y, HW_CVT)  # NaN -> 0x7F
     scale = scale_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact (but for NaN)
     d = (scale * s[:, None])[:, :, None]  # [BLOCK_R, 8, 1]

@@ -538,7 +538,10 @@ if HAS_GLUON:
             qr.store(gl.load(rows + col_offs + 512 * gl.cast(stride_qd, gl.int64), mask=ok, other=0.0))
         fence_async_shared()
 
-    @gluon.jit
+    # The list widths are never specialised: Triton turns an integer argument equal to 1 into a
+    # constant, and with ``topk == 1`` its alignment analysis gives the row copies a 2-byte width that
+    # cp.async cannot do (the compile fails; found on the H200 with one-entry lists).
+    @gluon.jit(do_not_specialize=("topk", "x_topk"))
     def _sparse_mla_decode_hopper_kernel(
         q_ptr, stride_qt, stride_qh, stride_qd,  # [T, H, D] bf16
         cache_ptr, stride_cp, stride_cr, page_size, num_slots,  # main cache (bytes for fp8, elements for auto)

@@ -84,7 +84,13 @@ def int64_extreme(valid_max: int):
 
 
 def to(t: torch.Tensor, backend: str) -> torch.Tensor:
-    return t.to("cuda") if backend == "cuda" else t
+    """``t`` on the backend's device with its whole storage: same strides, offset and padding bytes
+    (``Tensor.to`` would compact a padded cache)."""
+    if backend != "cuda":
+        return t
+    n = t.untyped_storage().nbytes() // t.element_size()
+    flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,)).to("cuda")
+    return flat.as_strided(t.shape, t.stride(), t.storage_offset())
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -242,7 +248,8 @@ def caches(draw):
 
 def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t``'s whole storage, viewed with ``t``'s shape, strides and offset."""
-    return torch.empty(0, dtype=t.dtype).set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
+    base = torch.empty(0, dtype=t.dtype, device=t.device)
+    return base.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
 def slot_values(capacity: int):

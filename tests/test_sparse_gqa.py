@@ -343,9 +343,7 @@ def _cast_view(cache: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def _to_device(cache: torch.Tensor, device) -> torch.Tensor:
     """``cache`` moved with its whole storage, so strides, offset and padding bytes are kept."""
-    if cache.device == torch.device(device):
-        return cache
-    storage = torch.empty(0, dtype=cache.dtype).set_(cache.untyped_storage()).to(device)
+    storage = torch.empty(0, dtype=cache.dtype, device=cache.device).set_(cache.untyped_storage()).to(device)
     return torch.as_strided(storage, cache.shape, cache.stride(), cache.storage_offset())
 
 

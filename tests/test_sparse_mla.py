@@ -237,7 +237,7 @@ def _positional(kwargs):
 def _storage_to(t: torch.Tensor, device) -> torch.Tensor:
     """``t`` on ``device`` with the same strides and storage offset (keeps padded page strides)."""
     n = t.untyped_storage().nbytes() // t.element_size()
-    flat = torch.empty(0, dtype=t.dtype).set_(t.untyped_storage(), 0, (n,), (1,))
+    flat = torch.empty(0, dtype=t.dtype, device=t.device).set_(t.untyped_storage(), 0, (n,), (1,))
     return flat.to(device).as_strided(t.shape, t.stride(), t.storage_offset())
 
 

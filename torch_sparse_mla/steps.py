@@ -42,12 +42,13 @@ def _cdiv(a: int, b: int) -> int:
 
 def _check_capacity(name: str, size, capacity: int, what: str) -> None:
     """``size <= capacity`` or ``ValueError``. Under ``torch.compile`` a symbolic size becomes a runtime
-    assertion (no guard, no recompilation); its message can then hold constants only."""
-    message = f"{name}: expected at most {capacity} ({what}, the capacity this builder was made with)"
-    if torch.compiler.is_compiling():
-        torch._check_with(ValueError, size <= capacity, lambda: message)
+    assertion (no guard, no recompilation) whose error is the compiler's generic one: every supported
+    torch traces ``torch._check(predicate)``, not an exception type or a message."""
+    if not isinstance(size, int) and torch.compiler.is_compiling():
+        torch._check(size <= capacity)
     elif size > capacity:
-        raise ValueError(f"{message}, got {size}; build it with a larger capacity")
+        raise ValueError(f"{name}: expected at most {capacity} ({what}, the capacity this builder was made with), "
+                         f"got {size}; build it with a larger capacity")
 
 
 def _check_positive_int(name: str, value) -> int:

@@ -322,7 +322,7 @@ def run(cfg: Config, device: torch.device, iters: int, compile_plain: bool) -> s
         base.load_state_dict(ours.state_dict())
         compiled_default, compiled_graph = compile_step(ours, device)
         mode = "reduce-overhead (CUDA graph)" if compiled_graph is not None else "default (CPU: no CUDA graph)"
-        step_fn = compiled_graph or compiled_default
+        step_fn = compiled_graph if compiled_graph is not None else compiled_default
 
         # -- correctness: every step checked against the float64 reference ---------------------------------
         inputs = [batch.step_inputs(s, gen, device) for s in range(cfg.steps)]

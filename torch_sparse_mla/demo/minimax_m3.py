@@ -298,7 +298,7 @@ def run(cfg: Config, device: torch.device, iters: int, compile_plain: bool) -> s
         plain_ref.load_state_dict(ours.state_dict())
         compiled_default, compiled_graph = compile_step(ours, device)
         mode = "reduce-overhead (CUDA graph)" if compiled_graph is not None else "default (CPU: no CUDA graph)"
-        step_fn = compiled_graph or compiled_default
+        step_fn = compiled_graph if compiled_graph is not None else compiled_default
         skips = cudagraph_skips()
         got = warm(lambda: _stack(step_fn(*args)), f"the step (torch.compile fullgraph=True, mode={mode})")
         check_graphs(compiled_graph, skips)
