@@ -149,7 +149,7 @@ def whole_step_rows(ours, compiled, compiled_graph, plain, args, device: torch.d
         plain_default, plain_graph = compile_step(plain, device)
         warm(lambda: plain_default(*args), "the plain-PyTorch step (torch.compile fullgraph=True)")
     rows.append(Row("whole step, torch.compile", time_loop(lambda: compiled(*args), device, iters),
-                    time_loop(lambda: plain_default(*args), device, iters) if plain_default else None,
+                    time_loop(lambda: plain_default(*args), device, iters) if plain_default is not None else None,
                     "" if compile_plain else "plain step not compiled: --compile-plain"))
     if compiled_graph is None:
         rows.append(Row("whole step, CUDA graph", None, None, "needs a GPU"))
@@ -157,6 +157,6 @@ def whole_step_rows(ours, compiled, compiled_graph, plain, args, device: torch.d
     if plain_graph is not None:
         warm(lambda: plain_graph(*args), "the plain-PyTorch step (mode=reduce-overhead)", calls=3)
     rows.append(Row("whole step, CUDA graph", time_loop(lambda: compiled_graph(*args), device, iters),
-                    time_loop(lambda: plain_graph(*args), device, iters) if plain_graph else None,
+                    time_loop(lambda: plain_graph(*args), device, iters) if plain_graph is not None else None,
                     "reduce-overhead"))
     return rows
