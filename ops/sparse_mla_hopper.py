@@ -66,7 +66,7 @@ if HAS_TRITON:
 
 BLOCK_H = 64  # heads per CTA: the M of one warpgroup's wgmma
 BLOCK_N = 64  # candidates per block (one ring stage)
-_MIN_BLOCKS_PER_SPLIT = 1
+_MIN_BLOCKS_PER_SPLIT = 2
 # Registers per thread requested for the second consumer and the producer (setmaxnreg); the first
 # consumer (the default partition) gets what is left of the 64K register file.
 _WORKER_REGS = (208, 80)
@@ -637,13 +637,16 @@ def supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) -> bool:
 def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
                 num_splits: int | None = None) -> LaunchPlan:
     """One CTA per (token, split, 64 heads), one CTA per SM (the ring takes ~220 KB of shared memory):
-    split the candidate list when the tokens' head blocks cannot fill the SMs, keeping at least
-    ``_MIN_BLOCKS_PER_SPLIT`` blocks of 64 per split."""
+    split the candidate list as far as the CTAs still fit in one wave (``programs * splits <= SMs``),
+    keeping at least ``_MIN_BLOCKS_PER_SPLIT`` blocks of 64 per split (a split of one block cannot
+    overlap its gathers with its math). Measured on an H200 (docs/sparse_mla_hopper.md): a second,
+    partial wave costs more than the longer lists it saves, e.g. H=128 K=2048 T=16 with 4 splits
+    67.5 us against 91.6 us with 5."""
     head_blocks = cdiv(num_heads, BLOCK_H)
     programs = max(num_tokens * head_blocks, 1)
     if num_splits is None:
         blocks = cdiv(k_total, BLOCK_N)
-        num_splits = max(1, min(cdiv(num_sms, programs), blocks // _MIN_BLOCKS_PER_SPLIT))
+        num_splits = max(1, min(num_sms // programs, blocks // _MIN_BLOCKS_PER_SPLIT))
     return LaunchPlan(block_h=BLOCK_H, head_blocks=head_blocks, block_n=BLOCK_N, num_splits=num_splits,
                       num_warps=4, num_stages=1)
 

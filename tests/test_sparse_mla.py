@@ -484,6 +484,26 @@ def test_triton_interpreter_split_heuristic():
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 
+@pytest.mark.parametrize("tokens,heads,k,splits", [
+    (1, 128, 2048, 16),  # 2 CTAs: 16 splits of 2 blocks (not 32 of one block)
+    (4, 128, 2048, 16),  # 8 * 16 = 128 CTAs <= 132 SMs
+    (16, 128, 2048, 4),  # 32 * 4 = 128: not 5 (a second, partial wave)
+    (64, 128, 2048, 1),  # 128 CTAs already: no split
+    (64, 16, 2048, 2),
+    (200, 128, 2048, 1),
+    (1, 128, 64, 1),  # one block: nothing to split
+])
+def test_hopper_split_heuristic(tokens, heads, k, splits):
+    """The Hopper kernel's split count keeps one wave of CTAs and two blocks per split (measured on
+    an H200, docs/sparse_mla_hopper.md)."""
+    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+
+    plan = hopper.plan_launch(tokens, heads, k, 132)
+    assert plan.num_splits == splits
+    assert tokens * plan.head_blocks * plan.num_splits <= 132 or plan.num_splits == 1
+    assert hopper.plan_launch(tokens, heads, k, 132, num_splits=3).num_splits == 3
+
+
 @requires_interpreter
 @pytest.mark.parametrize("kv_format", fr.FORMATS)
 def test_load_kv_tile_interpreter(kv_format):
