@@ -37,6 +37,8 @@ from test_metadata import (
     ref_swa,
     ref_topk_to_global,
 )
+from test_sparse_gqa import _keys_read as gqa_keys_read
+from test_sparse_gqa import reference as gqa_reference
 from test_sparse_mla import FLT_MAX, assert_matches
 from test_sparse_mla import reference as mla_reference
 from torch_sparse_mla.ops import kv_cache as kv_ops
@@ -402,50 +404,6 @@ def test_sparse_mla_decode(backend, data, kv_format, t, h, k, k2, sink, scale):
 # =====================================================================================================
 # sparse_gqa_decode (the current API)
 # =====================================================================================================
-
-
-def gqa_keys_read(topk, block_table, kv_lens, qo, dql, num_pages, ps):
-    """bool [pages, Hkv, page_size]: the keys a valid (row, KV head, selected page) may read (SPEC 7)."""
-    read = torch.zeros(num_pages, topk.shape[1], ps, dtype=torch.bool)
-    batch, num_cols = block_table.shape
-    for t in range(topk.shape[0]):
-        r = t // dql
-        if r >= batch:
-            continue
-        limit = min(int(qo[t]) + 1, int(kv_lens[t]))
-        for g in range(topk.shape[1]):
-            for b in topk[t, g].tolist():
-                if 0 <= b < num_cols and 0 <= (p := int(block_table[r, b])) < num_pages:
-                    read[p, g, : max(0, min(ps, limit - b * ps))] = True
-    return read
-
-
-def gqa_reference(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len, softmax_scale,
-                  q_scale, k_scale, v_scale):
-    """float64 ``[T, Hq, Dh]`` straight from the contract (a row without keys is 0)."""
-    num_rows, hq, dh = q.shape
-    num_pages, hkv, ps, _ = kv_cache.shape
-    batch, num_cols = block_table.shape
-    group = hq // hkv
-    qd, kv = q.to(torch.float64), kv_cache.to(torch.float64)
-    out = torch.zeros(num_rows, hq, dh, dtype=torch.float64)
-    for t in range(num_rows):
-        r = t // decode_query_len
-        if r >= batch:
-            continue
-        limit = min(int(qo_offset[t]) + 1, int(kv_segment_lens[t]))
-        for g in range(hkv):
-            keys, values = [], []
-            for b in topk_pages[t, g].tolist():
-                if 0 <= b < num_cols and 0 <= (p := int(block_table[r, b])) < num_pages:
-                    visible = max(0, min(ps, limit - b * ps))
-                    keys.append(kv[p, g, :visible, :dh])
-                    values.append(kv[p, g, :visible, dh:])
-            if keys and sum(x.shape[0] for x in keys) > 0:
-                heads = slice(g * group, (g + 1) * group)
-                scores = qd[t, heads] @ torch.cat(keys).T * (softmax_scale * q_scale * k_scale)
-                out[t, heads] = v_scale * torch.softmax(scores, dim=-1) @ torch.cat(values)
-    return out
 
 
 @backends
