@@ -5,6 +5,8 @@ The host-side facts and layout checks (``FORMAT_IDS``, ``cache_dim``, ``check_kv
 ``meta_kernels/_formats.py``; this module holds the code that reads cache bytes:
 
 - ``dequantize_torch``: vectorised PyTorch, float32 rows of any slots (the CPU kernels);
+- ``written_slots``: the slot rule of every paged cache writer's CPU kernel (``kv_cache_insert``,
+  ``gqa_kv_cache_insert``): which tokens are stored, at which page and row;
 - ``load_kv_tile`` / ``load_kv_cols`` (Triton): a ``[BLOCK_N, CHUNK]`` float32 tile of dequantised
   values, decoded in registers (no dequantised copy of the cache ever exists in memory);
 - ``load_fp8_656_raw`` / ``load_fp8_656_scales`` (Triton): an fp8_656 scale group's raw e4m3 values
@@ -38,6 +40,17 @@ from ._triton import tl, triton
 # =====================================================================================================
 # PyTorch
 # =====================================================================================================
+
+
+def written_slots(slot_mapping: torch.Tensor, pages: int, page_size: int):
+    """``(keep, page, row)`` for a cache writer: ``keep`` marks the tokens whose slot is valid
+    (``0 <= slot < pages * page_size``; the others are skipped), ``page`` and ``row`` locate those
+    slots. ``None`` when no token is written."""
+    keep = (slot_mapping >= 0) & (slot_mapping < pages * page_size)
+    slots = slot_mapping[keep]
+    if slots.numel() == 0:
+        return None
+    return keep, slots // page_size, slots % page_size
 
 
 def _page_bytes(kv_cache: torch.Tensor) -> torch.Tensor:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS, cache_dim
-from ._formats import dequantize_torch, load_kv_cols
+from ._formats import dequantize_torch, load_kv_cols, written_slots
 from ._launch import KernelLaunch, PlanCache, cdiv, next_pow2
 from ._rounding import bf16_bits as _bf16_bits
 from ._rounding import e4m3_bits as _e4m3_bits
@@ -119,11 +119,10 @@ def _encode_fp8_584_torch(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def kv_cache_insert_torch(kv, slot_mapping, kv_cache, kv_format):
     pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
-    keep = (slot_mapping >= 0) & (slot_mapping < pages * page_size)
-    slots = slot_mapping[keep]
-    if slots.numel() == 0:
+    written = written_slots(slot_mapping, pages, page_size)
+    if written is None:
         return
-    page, row = slots // page_size, slots % page_size
+    keep, page, row = written
     if kv_format == "auto":
         kv_cache[page, row] = to_stored(kv[keep], kv_cache.dtype)
         return

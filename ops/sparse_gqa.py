@@ -47,6 +47,7 @@ from ..meta_kernels.sparse_gqa import (
     NVFP4_TOKEN_BYTES,
     is_nvfp4,
 )
+from ._formats import written_slots
 from ._launch import LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2
 from ._rounding import bf16_bits, e4m3_bits, f16_bits, load_as_f32
 from ._triton import tl, triton
@@ -215,11 +216,10 @@ def gqa_kv_cache_insert_torch(k, v, slot_mapping, kv_cache, k_scale=1.0, v_scale
                               v_scale_tensor=None):
     """CPU kernel: quantise ``k[i]``, ``v[i]`` and write them to slot ``slot_mapping[i]``."""
     pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
-    keep = (slot_mapping >= 0) & (slot_mapping < pages * page_size)
-    slots = slot_mapping[keep]
-    if slots.numel() == 0:
+    written = written_slots(slot_mapping, pages, page_size)
+    if written is None:
         return
-    page, row = slots // page_size, slots % page_size
+    keep, page, row = written
     device = kv_cache.device
     ks = _total_scale(k_scale, k_scale_tensor, device)
     vs = _total_scale(v_scale, v_scale_tensor, device)
