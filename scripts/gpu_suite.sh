@@ -11,15 +11,8 @@ OUT=${OUT:-$REPO/gpu_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 
-# An importable copy of the package (ops/ and meta_kernels/ inside it, as the wheel lays them out), so
-# nothing needs pip or a network; wheels placed in .whl/ (expecttest, say) are installed beside it.
-SITE=$(mktemp -d)
-if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$REPO"/.whl/*.whl || exit 1
-fi
-cp -r "$REPO/torch_sparse_mla" "$SITE/" && cp -r "$REPO/ops" "$REPO/meta_kernels" "$SITE/torch_sparse_mla/"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-cd "$SITE"  # not the repo root: the source package there lacks ops/ and would shadow the copy
+# An importable copy of the package, and the working directory inside it.
+source "$REPO/scripts/_package_copy.sh"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__, torch.cuda.get_device_name())"
 
 rc=0

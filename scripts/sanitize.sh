@@ -33,14 +33,8 @@ export TORCHINDUCTOR_COMPILE_THREADS=1  # no compile-worker processes under the 
 export TSM_HYPOTHESIS_PROFILE=ci        # property tests with their CI example counts
 export PYTHONUNBUFFERED=1
 
-# The importable package copy of scripts/gpu_suite.sh (ops/ and meta_kernels/ inside the package).
-SITE=$(mktemp -d)
-if compgen -G "$REPO/.whl/*.whl" >/dev/null; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target "$SITE" "$REPO"/.whl/*.whl || exit 1
-fi
-cp -r "$REPO/torch_sparse_mla" "$SITE/" && cp -r "$REPO/ops" "$REPO/meta_kernels" "$SITE/torch_sparse_mla/"
-export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
-cd "$SITE"
+# The importable package copy of scripts/gpu_suite.sh, and the working directory inside it.
+source "$REPO/scripts/_package_copy.sh"
 
 run_tool() {  # tool, default targets...; extra pytest arguments come from the command line
   local tool=$1; shift
