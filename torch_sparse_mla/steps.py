@@ -32,12 +32,9 @@ from typing import NamedTuple
 import torch
 
 from . import metadata as md
+from .ops._launch import cdiv
 
 I32, I64 = torch.int32, torch.int64
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def _check_capacity(name: str, size, capacity: int, what: str) -> None:
@@ -229,7 +226,7 @@ class MiniMaxM3MetadataBuilder(torch.nn.Module):
         self.max_model_len = _check_positive_int("max_model_len", max_model_len)
         self.page_size = _check_positive_int("page_size", page_size)
         self.decode_query_len = q = _check_positive_int("decode_query_len", decode_query_len)
-        self.max_pages = _cdiv(max_model_len, page_size)
+        self.max_pages = cdiv(max_model_len, page_size)
         rows = max_num_reqs * q
         for name, value in (
             ("kv_segment_lens", torch.zeros(rows, dtype=I32, device=device)),
