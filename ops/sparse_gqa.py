@@ -476,7 +476,7 @@ def _sparse_gqa_decode_kernel(
 
     # Resolve this split's page list up front (a vector of physical pages and visible key counts), so
     # the loop below has no dependent index loads.
-    j_begin = split * pages_per_split
+    j_begin = tl.cast(split, tl.int64) * pages_per_split  # the offset rule of ops/_launch.py
     j_end = tl.minimum(j_begin + pages_per_split, n_sel)
     js = j_begin + tl.arange(0, BLOCK_SEL)
     sel_ok = js < j_end

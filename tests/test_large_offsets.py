@@ -58,13 +58,12 @@ requires_address_space = pytest.mark.skipif(sys.maxsize < 2**40 or not _huge_sto
 
 @pytest.mark.skipif(not os.path.exists("/usr/bin/env"), reason="needs a POSIX environment")
 def test_no_32bit_address_products():
-    """scripts/compile_sm90.py compiles every kernel for sm_90 (no GPU needed) and checks the TTIR.
-    (sparse_gqa_decode joins the list once its kernel follows the rule.)"""
+    """scripts/compile_sm90.py compiles every kernel for sm_90 (no GPU needed) and checks the TTIR."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     result = subprocess.run(
         [sys.executable, os.path.join(REPO, "scripts", "compile_sm90.py"), "--ttir-only", "--check-offsets",
-         "--list", "--cases", "metadata", "kv_cache", "sparse_mla"],
+         "--list", "--cases", "metadata", "kv_cache", "sparse_mla", "sparse_gqa"],
         capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "launches compiled for sm_90" in result.stdout
