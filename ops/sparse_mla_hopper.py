@@ -14,18 +14,21 @@ tensor-core work. This kernel does both, with explicit warp specialisation:
     work), and stores the tile ``[64 keys, D]`` into a two-stage shared-memory ring in the swizzled
     layout the tensor cores read; then the per-key validity (and, for ``fp8_656``, the per-key group
     scales), a proxy fence and an mbarrier arrive.
-  - *two consumers* (4 warps each): wait for a stage, compute ``S = Q K^T`` with ``wgmma`` straight
-    from shared memory (Q was staged once, before the fork), run the online softmax in base 2, and
-    accumulate ``O += P V`` where V is the same K tile read in place (no copy, no transpose);
-    consumer ``w`` owns the output dims ``[256 w, 256 w + 256)`` (a ``[64, 512]`` float32 accumulator
-    does not fit one warpgroup's registers). Both compute the same S and P (same instructions on the
-    same data), so they never exchange data, only release the stage (``empty`` barrier, count 2).
+  - *two consumers* (4 warps each) split the output dims: consumer ``w`` owns ``[256 w, 256 w + 256)``
+    (a ``[64, 512]`` float32 accumulator does not fit one warpgroup's registers). The first waits for
+    a stage, computes ``S = Q K^T`` with ``wgmma`` straight from shared memory (Q was staged once,
+    before the fork), runs the online softmax in base 2, hands ``P`` and the rescale factor of the
+    block to the second through shared memory (``p_ready`` / ``p_free`` mbarriers), and accumulates
+    ``O += P V`` for its dims, where V is the same K tile read in place (no copy, no transpose). The
+    second only rescales its half of ``O`` and adds ``P V``: ``Q K^T`` is computed once per block.
+    Both release the stage (``empty`` barrier, count 2).
 
 - **Exactness.** ``fp8_584`` scales are powers of two, so the tile holds the exact dequantised values.
   ``fp8_656`` scales are arbitrary floats: the tile holds the raw e4m3 values (exact in bf16), each
   scale group's partial product is scaled in float32 (``S += s_g * (Q_g K_g^T)``) and the probabilities
   are scaled per group before the product with V (``O_g += bf16(P * s_g) V_g``), so the only roundings
-  are the ones the contract allows. ``auto`` (bf16) tiles are the cache values.
+  are the ones the contract allows (the second consumer receives ``P`` as fp16, whose rounding is
+  below bf16's, and scales it in float32 before its own bf16 rounding). ``auto`` (bf16) tiles are the cache values.
 - **Split-K** as in the portable kernel: the candidate blocks of a token are divided among
   ``num_splits`` CTAs that write float32 partials ``(acc, m, l)``; the portable combine kernel merges
   them. The combine's workspace layout is shared, so the two kernels interoperate.
@@ -68,8 +71,9 @@ BLOCK_H = 64  # heads per CTA: the M of one warpgroup's wgmma
 BLOCK_N = 64  # candidates per block (one ring stage)
 _MIN_BLOCKS_PER_SPLIT = 2
 # Registers per thread requested for the second consumer and the producer (setmaxnreg); the first
-# consumer (the default partition) gets what is left of the 64K register file.
-_WORKER_REGS = (208, 80)
+# consumer (the default partition: Q K^T, softmax and its half of P V) gets what is left of the 64K
+# register file (248).
+_WORKER_REGS = (176, 80)
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -224,7 +228,7 @@ if HAS_GLUON:
         slot = gl.where(valid, slot, 0)
         page = slot // c_ps
         row = slot - page * c_ps
-        valid_smem.index(stage).store(valid.to(gl.int32))
+        valid_smem.index(stage).store(valid.to(gl.int8))
         kn = knope.index(stage)
         vmask8 = valid[:, None]
         valid16 = gl.convert_layout(valid, ROWS16)
@@ -388,8 +392,11 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale, score_sign,
-                K0: gl.constexpr, NK: gl.constexpr, WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
-        """Online softmax over keys ``[K0, K0 + NK)`` of a ring stage: ``(o0, o1, m_i, l_i)`` updated."""
+                p_smem, stat_smem, p_ready, p_free, i,
+                K0: gl.constexpr, NK: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
+        """First consumer: online softmax over keys ``[K0, K0 + NK)`` of a ring stage, ``(o0, o1, m_i,
+        l_i)`` of dims 0..255 updated; ``P`` and the rescale factor of block ``i`` handed to the second
+        consumer."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, NK, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 128, 16])
@@ -438,33 +445,43 @@ if HAS_GLUON:
         p = gl.exp2((u - m_use[:, None]) * qk_scale)
         l_i = l_i * alpha + gl.sum(p, axis=1)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        # Hand-off: wait until the second consumer is done with the previous block's P, store this one
+        # (fp16 when it is scaled per group again there, bf16 when it is the MMA operand as it is), and
+        # arrive once every thread's part is stored (the arrive is one thread's).
+        mbarrier.wait(p_free, (i & 1) ^ 1)
+        p_smem.store(p.to(p_smem.dtype))
+        stat_smem.index(0).store(alpha)
+        fence_async_shared()
+        _cta_barrier()
+        mbarrier.arrive(p_ready)
         if FOLD:
             # V of group g is its raw values: P takes the group's per-key scale (one bf16 rounding).
-            p0 = gl.convert_layout((p * scales.index(stage * 4 + 2 * WG).slice(K0, NK).load(COLS)[None, :])
+            p0 = gl.convert_layout((p * scales.index(stage * 4).slice(K0, NK).load(COLS)[None, :])
                                    .to(gl.bfloat16), P_L)
-            o0 = warpgroup_mma(p0, keys.slice(256 * WG, 128, dim=1), o0 * alpha_o, is_async=True)
-            p1 = gl.convert_layout((p * scales.index(stage * 4 + 2 * WG + 1).slice(K0, NK).load(COLS)[None, :])
+            o0 = warpgroup_mma(p0, keys.slice(0, 128, dim=1), o0 * alpha_o, is_async=True)
+            p1 = gl.convert_layout((p * scales.index(stage * 4 + 1).slice(K0, NK).load(COLS)[None, :])
                                    .to(gl.bfloat16), P_L)
-            o1 = warpgroup_mma(p1, keys.slice(256 * WG + 128, 128, dim=1), o1 * alpha_o, is_async=True)
+            o1 = warpgroup_mma(p1, keys.slice(128, 128, dim=1), o1 * alpha_o, is_async=True)
         else:
             p0 = gl.convert_layout(p.to(gl.bfloat16), P_L)
-            o0 = warpgroup_mma(p0, keys.slice(256 * WG, 128, dim=1), o0 * alpha_o, is_async=True)
-            o1 = warpgroup_mma(p0, keys.slice(256 * WG + 128, 128, dim=1), o1 * alpha_o, is_async=True)
+            o0 = warpgroup_mma(p0, keys.slice(0, 128, dim=1), o0 * alpha_o, is_async=True)
+            o1 = warpgroup_mma(p0, keys.slice(128, 128, dim=1), o1 * alpha_o, is_async=True)
         o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
         return o0, o1, m_new, l_i
 
     @gluon.jit
     def _consumer(
-        qn, qr, knope, krope, scales, valid_smem, ready, empty,
+        qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem, stat_smem, p_ready, p_free,
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         sink_ptr, stride_sink,
         out_ptr, stride_ot, stride_oh, stride_od,
         lse_ptr, stride_lt, stride_lh,
         ws_ptr, ws_ml_off,
         num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-        WG: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
+        FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
     ):
+        """First consumer: ``Q K^T``, the softmax, the hand-off of P, and output dims 0..255 (and lse)."""
         pid = gl.program_id(0)
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
@@ -476,8 +493,8 @@ if HAS_GLUON:
                                                       instr_shape=[16, 128, 16])
         ROWS: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                           instr_shape=[16, NK, 16]))
-        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256 WG, 256 WG + 128)
-        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256 WG + 128, 256 WG + 256)
+        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [0, 128)
+        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [128, 256)
         m_i = gl.full([_BH], float("-inf"), gl.float32, layout=ROWS)
         l_i = gl.zeros([_BH], gl.float32, layout=ROWS)
         for blk in range(blk_lo, blk_hi):
@@ -488,14 +505,81 @@ if HAS_GLUON:
             kr = krope.index(stage)
             for k0 in gl.static_range(0, _BN, NK):
                 o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                                           score_sign, k0, NK, WG, FOLD, D)
+                                           score_sign, p_smem, stat_smem, p_ready, p_free, i, k0, NK, FOLD, D)
             mbarrier.arrive(empty.index(stage))
+        # The final statistics, for the second consumer's epilogue (one more hand-off).
+        mbarrier.wait(p_free, ((blk_hi - blk_lo) & 1) ^ 1)
+        stat_smem.index(0).store(m_i)
+        stat_smem.index(1).store(l_i)
+        _cta_barrier()
+        mbarrier.arrive(p_ready)
+        _epilogue(o0, o1, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
+                  pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                  stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale, 0, HAS_SINK, SPLIT)
 
+    @gluon.jit
+    def _consumer_pv(
+        knope, scales, ready, empty, p_smem, stat_smem, p_ready, p_free,
+        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits, lse_scale,
+        FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """Second consumer: no ``Q K^T`` of its own. Per block it takes the first consumer's P and rescale
+        factor, rescales its half of O and adds ``P V`` for output dims 256..511."""
+        pid = gl.program_id(0)
+        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
+            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 128, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        COLS: gl.constexpr = gl.SliceLayout(0, S_L)
+        ROWS_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256, 384)
+        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [384, 512)
+        for blk in range(blk_lo, blk_hi):
+            i = blk - blk_lo
+            stage = i % 2
+            mbarrier.wait(ready.index(stage), (i // 2) & 1)
+            mbarrier.wait(p_ready, i & 1)
+            alpha = stat_smem.index(0).load(ROWS_O)[:, None]
+            kn = knope.index(stage)
+            if FOLD:
+                p = p_smem.load(S_L).to(gl.float32)
+                p2 = gl.convert_layout((p * scales.index(stage * 4 + 2).load(COLS)[None, :]).to(gl.bfloat16), P_L)
+                o0 = warpgroup_mma(p2, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
+                p3 = gl.convert_layout((p * scales.index(stage * 4 + 3).load(COLS)[None, :]).to(gl.bfloat16), P_L)
+                o1 = warpgroup_mma(p3, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
+            else:
+                o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
+                o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
+            o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(empty.index(stage))
+        mbarrier.wait(p_ready, (blk_hi - blk_lo) & 1)
+        m_o = stat_smem.index(0).load(ROWS_O)
+        l_o = stat_smem.index(1).load(ROWS_O)
+        _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                  lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
+                  1, HAS_SINK, SPLIT)
+
+    @gluon.jit
+    def _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                  lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
+                  WG: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
+        """Consumer ``WG``'s half of ``out`` (or of the split workspace); the first also writes ``lse``
+        (or ``m``, ``l``). ``m_o``, ``l_o``: the running max and sum of the rows."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 128, 16])
         heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, O_L))
         head_ok = heads < num_heads
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))
-        m_o = gl.convert_layout(m_i, gl.SliceLayout(1, O_L))
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, O_L))
         if SPLIT:
             split = (pid // num_head_blocks) % num_splits
             row = (t * num_splits + split) * num_heads + heads.to(gl.int64)  # [T, S, H] row of the workspace
@@ -562,35 +646,45 @@ if HAS_GLUON:
     ):
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        # Shared memory (232,448 bytes per block on sm_90; fp8_656 uses all but ~100 of them): Q, the
+        # two-stage ring of K tiles, per-key scales and validity, and the hand-off of P. The rope parts
+        # exist only for D = 576 (a stand-in of 8 rows otherwise).
+        R_ROWS: gl.constexpr = _BH if D == 576 else 8
         qn = gl.allocate_shared_memory(gl.bfloat16, [_BH, 512], SL)
-        qr = gl.allocate_shared_memory(gl.bfloat16, [_BH, 64], SL)
+        qr = gl.allocate_shared_memory(gl.bfloat16, [R_ROWS, 64], SL)
         knope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 512], SL)
-        krope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 64], SL)
+        krope = gl.allocate_shared_memory(gl.bfloat16, [2, R_ROWS, 64], SL)
         # fp8_656: [stage * 4 + group][key] scales; fp8_584: [stage * 8 + group][key] scales (as float32)
-        scales = gl.allocate_shared_memory(gl.float32, [16, _BN], VL1)
-        valid_smem = gl.allocate_shared_memory(gl.int32, [2, _BN], VL1)
+        scales = gl.allocate_shared_memory(gl.float32, [16 if KV_FORMAT == 2 else 8, _BN], VL1)
+        valid_smem = gl.allocate_shared_memory(gl.int8, [2, _BN], VL1)
+        p_smem = gl.allocate_shared_memory(gl.float16 if FOLD else gl.bfloat16, [_BH, _BN], SL)
+        stat_smem = gl.allocate_shared_memory(gl.float32, [2, _BH], VL1)  # alpha of a block; final (m, l)
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
             mbarrier.init(ready.index(s), count=1)  # the producer partition
             mbarrier.init(empty.index(s), count=2)  # the two consumer partitions
+        mbarrier.init(p_ready, count=1)  # the first consumer: P (or the final statistics) stored
+        mbarrier.init(p_free, count=1)  # the second consumer: done with P
         pid = gl.program_id(0)
         hb = pid % num_head_blocks
         t = (pid // num_head_blocks // num_splits).to(gl.int64)
         _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
         gl.warp_specialize(
-            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
+            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem, stat_smem, p_ready, p_free,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-                          0, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
-             (_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty,
-                          len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-                          sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
-                          stride_lh,
-                          ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-                          1, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+                          FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+             (_consumer_pv, (knope, scales, ready, empty, p_smem, stat_smem, p_ready, p_free,
+                             len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+                             sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                             stride_lh,
+                             ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
+                             FOLD, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
              (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
