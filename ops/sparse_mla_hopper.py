@@ -145,7 +145,9 @@ if HAS_GLUON:
         if SPLIT:
             per_split = (nb_total + num_splits - 1) // num_splits
             blk_lo = split * per_split
-            blk_hi = gl.minimum(blk_lo + per_split, nb_total)
+            # never below blk_lo (a split past the list's end has no block): the consumers' last hand-off
+            # waits on the parity of the block count
+            blk_hi = gl.maximum(gl.minimum(blk_lo + per_split, nb_total), blk_lo)
         else:
             blk_lo = gl.to_tensor(0)
             blk_hi = nb_total
