@@ -1,13 +1,17 @@
 #!/usr/bin/env bash
 # The GPU tests under compute-sanitizer (docs/testing.md):
-#   memcheck  - every CUDA test except the multi-GB ones (marker `large`): out-of-bounds and misaligned
-#               accesses, invalid frees, errors returned by CUDA calls;
+#   memcheck  - every CUDA test except the multi-GB ones (marker `large`) and the CUDA-graph ones:
+#               out-of-bounds and misaligned accesses, invalid frees, errors returned by CUDA calls;
+#   memcheck-graphs - the same tool over the CUDA-graph tests (capture and replay, `reduce-overhead`),
+#               with PyTorch's caching allocator left on: a capture cannot call cudaMalloc, which
+#               every allocation does with the cache off;
 #   racecheck - the CUDA tests of the kernels that use shared memory (sparse_mla_decode and
 #               sparse_gqa_decode: tl.dot stages its operands there): shared-memory data races.
 #
-#   bash scripts/sanitize.sh [memcheck|racecheck|all] [test files or pytest arguments ...]
+#   bash scripts/sanitize.sh [memcheck|memcheck-graphs|racecheck|all] [test files or pytest arguments ...]
 #
-# Without test arguments: memcheck runs tests/ and racecheck runs the two attention test files. Each
+# Without test arguments: memcheck runs tests/ (but the graph tests), memcheck-graphs the graph tests
+# of tests/, racecheck the two attention test files. Each
 # tool's log goes to $OUT (default ./sanitize_out) with its ERROR SUMMARY; the exit status is non-zero
 # when a tool reported an error or a test failed. Expect each tool to take 10-40x the plain run; pass
 # one test file at a time to keep a run short (see docs/testing.md for the per-file commands).
@@ -26,9 +30,9 @@ if [ -z "$SANITIZER" ]; then
   exit 2
 fi
 
-# Every allocation its own block: an access past a tensor then falls outside any allocation and
-# memcheck reports it (the caching allocator would hide it inside a larger block).
-export PYTORCH_NO_CUDA_MEMORY_CACHING=1
+# Every allocation its own block (memcheck and racecheck): an access past a tensor then falls outside
+# any allocation and memcheck reports it (the caching allocator would hide it inside a larger block).
+# Not for memcheck-graphs (see above).
 export TORCHINDUCTOR_COMPILE_THREADS=1  # no compile-worker processes under the sanitizer
 export TSM_HYPOTHESIS_PROFILE=ci        # property tests with their CI example counts
 export PYTHONUNBUFFERED=1
@@ -36,18 +40,22 @@ export PYTHONUNBUFFERED=1
 # The importable package copy of scripts/gpu_suite.sh, and the working directory inside it.
 source "$REPO/scripts/_package_copy.sh"
 
-run_tool() {  # tool, default targets...; extra pytest arguments come from the command line
-  local tool=$1; shift
+run_tool() {  # mode, marker expression, default targets...; pytest arguments on the command line replace them
+  local mode=$1 markers=$2; shift 2
   local targets=("$@")
   [ ${#ARGS[@]} -gt 0 ] && targets=("${ARGS[@]}")
-  local log="$OUT/$tool.log"
-  echo "== $tool: ${targets[*]}" | tee "$log"
+  local tool=${mode%-graphs}
+  local log="$OUT/$mode.log"
+  echo "== $mode: ${targets[*]}" | tee "$log"
   local extra=()
   [ "$tool" = racecheck ] && extra=(--racecheck-report analysis)
-  "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 97 --print-limit 200 --target-processes all \
-    python3 -m pytest -q -rs -p no:cacheprovider -m "cuda and not large" "${targets[@]}" 2>&1 | tee -a "$log"
+  local cache=1
+  [ "$mode" = memcheck-graphs ] && cache=0
+  PYTORCH_NO_CUDA_MEMORY_CACHING=$cache "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 97 --print-limit 200 \
+    --target-processes all python3 -m pytest -q -rs -p no:cacheprovider -m "$markers" "${targets[@]}" 2>&1 \
+    | tee -a "$log"
   local rc=${PIPESTATUS[0]}
-  grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | tail -n 3 | sed "s/^/$tool: /" | tee -a "$OUT/summary.txt"
+  grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | tail -n 3 | sed "s/^/$mode: /" | tee -a "$OUT/summary.txt"
   return "$rc"
 }
 
@@ -58,10 +66,13 @@ done
 : > "$OUT/summary.txt"
 rc=0
 if [ "$WHAT" = memcheck ] || [ "$WHAT" = all ]; then
-  run_tool memcheck "$REPO/tests" || rc=1
+  run_tool memcheck "cuda and not large and not graphs" "$REPO/tests" || rc=1
+fi
+if [ "$WHAT" = memcheck-graphs ] || [ "$WHAT" = all ]; then
+  run_tool memcheck-graphs "cuda and not large and graphs" "$REPO/tests" || rc=1
 fi
 if [ "$WHAT" = racecheck ] || [ "$WHAT" = all ]; then
-  run_tool racecheck "$REPO/tests/test_sparse_mla.py" "$REPO/tests/test_sparse_gqa.py" || rc=1
+  run_tool racecheck "cuda and not large" "$REPO/tests/test_sparse_mla.py" "$REPO/tests/test_sparse_gqa.py" || rc=1
 fi
 echo "summary ($OUT/summary.txt):"; cat "$OUT/summary.txt"
 exit $rc
