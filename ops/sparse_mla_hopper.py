@@ -562,6 +562,7 @@ if HAS_GLUON:
                 o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
                 o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
+            _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
             mbarrier.arrive(p_free)
             mbarrier.arrive(empty.index(stage))
         mbarrier.wait(p_ready, (blk_hi - blk_lo) & 1)

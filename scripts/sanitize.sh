@@ -49,9 +49,9 @@ run_tool() {  # mode, marker expression, default targets...; pytest arguments on
   echo "== $mode: ${targets[*]}" | tee "$log"
   local extra=()
   [ "$tool" = racecheck ] && extra=(--racecheck-report analysis)
-  local cache=1
-  [ "$mode" = memcheck-graphs ] && cache=0
-  PYTORCH_NO_CUDA_MEMORY_CACHING=$cache "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 97 --print-limit 200 \
+  local envs=(env PYTORCH_NO_CUDA_MEMORY_CACHING=1)  # (any value of it turns the cache off)
+  [ "$mode" = memcheck-graphs ] && envs=(env -u PYTORCH_NO_CUDA_MEMORY_CACHING)
+  "${envs[@]}" "$SANITIZER" --tool "$tool" "${extra[@]}" --error-exitcode 97 --print-limit 200 \
     --target-processes all python3 -m pytest -q -rs -p no:cacheprovider -m "$markers" "${targets[@]}" 2>&1 \
     | tee -a "$log"
   local rc=${PIPESTATUS[0]}
