@@ -28,7 +28,8 @@ tensor-core work. This kernel does both, with explicit warp specialisation:
   scale group's partial product is scaled in float32 (``S += s_g * (Q_g K_g^T)``) and the probabilities
   are scaled per group before the product with V (``O_g += bf16(P * s_g) V_g``), so the only roundings
   are the ones the contract allows (the second consumer receives ``P`` as fp16, whose rounding is
-  below bf16's, and scales it in float32 before its own bf16 rounding). ``auto`` (bf16) tiles are the cache values.
+  below bf16's, and scales it in float32 before its own bf16 rounding). ``auto`` (bf16) tiles are the
+  cache values.
 - **Split-K** as in the portable kernel: the candidate blocks of a token are divided among
   ``num_splits`` CTAs that write float32 partials ``(acc, m, l)``; the portable combine kernel merges
   them. The combine's workspace layout is shared, so the two kernels interoperate.
@@ -490,6 +491,7 @@ if HAS_GLUON:
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
         # One softmax step per ring stage. (fp8_656's scale folding keeps one more [64, 64] float32 tile
         # live and spills a little; steps of 32 keys avoid that but measured 10-20% slower on an H200.)
+        # It must stay one step per stage: the P hand-off's barrier parities count blocks.
         NK: gl.constexpr = _BN
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 128, 16])
@@ -515,7 +517,8 @@ if HAS_GLUON:
         stat_smem.index(1).store(l_i)
         _cta_barrier()
         mbarrier.arrive(p_ready)
-        _epilogue(o0, o1, gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
+        _epilogue(o0, o1,
+                  gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
                   pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                   stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale, 0, HAS_SINK, SPLIT)
 
