@@ -808,6 +808,36 @@ def requires_hopper(test):
     return pytest.mark.cuda(pytest.mark.skipif(not _hopper_device(), reason="needs an sm_90 GPU (the Hopper kernel)")(test))
 
 
+def test_hopper_kernel_builds_for_sm90_within_limits():
+    """Without a GPU: every variant of the Hopper kernel (format x split x extra list) compiles for
+    sm_90a with the ptxas shipped in the triton wheel (``scripts/inspect_hopper.py``), fits the
+    232,448 bytes of shared memory a block may use (fp8_656 with an extra list uses all of them), uses
+    the tensor cores and mbarriers, and spills at most a few hundred bytes."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from torch_sparse_mla.ops import sparse_mla_hopper
+    if not sparse_mla_hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, os.path.join(repo, "scripts", "inspect_hopper.py")],
+                            capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if " split=" in line]
+    assert len(rows) == 9, result.stdout
+    for row in rows:
+        smem = int(re.search(r"smem=(\d+)", row).group(1))
+        spill_stores = int(re.search(r"spill st/ld=(\d+)/", row).group(1))
+        counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|SYNCS)=(\d+)", row)}
+        assert smem <= 232_448, row
+        assert spill_stores <= 512, row
+        assert counts["HGMMA"] > 0 and counts["SYNCS"] > 0, row
+
+
 @requires_hopper
 @pytest.mark.parametrize("num_splits", [None, 1, 3], ids=lambda s: f"splits={s or 'auto'}")
 @pytest.mark.parametrize("spec", _HOPPER, ids=str)
