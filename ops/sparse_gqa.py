@@ -368,6 +368,16 @@ def _nvfp4_tile(data, factors, USE_ASM: tl.constexpr):
 
 
 @triton.jit
+def _tile_page(it, sel_idx, phys, n_keys, CHUNKS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Tile ``it`` of a split's key loop: the position of its first key in its page (page ``it //
+    CHUNKS`` of the split's list), the page's physical index and its visible key count (picked out of
+    the split's vectors, resolved before the loop)."""
+    this_page = sel_idx == it // CHUNKS
+    return ((it % CHUNKS) * BLOCK_N, tl.sum(tl.where(this_page, phys, 0), axis=0),
+            tl.sum(tl.where(this_page, n_keys, 0), axis=0))
+
+
+@triton.jit
 def _sparse_gqa_decode_kernel(
     q_ptr, stride_q_t, stride_q_h, stride_q_d,  # [T, Hq, Dh]
     kv_ptr, stride_kv_p, stride_kv_h, stride_kv_o,  # value cache: [pages, Hkv, page_size, 2*Dh] (stride(-1) == 1);
@@ -515,11 +525,8 @@ def _sparse_gqa_decode_kernel(
             q_t = tl.trans(q)
         offs_n = tl.arange(0, BLOCK_N)
         for it in range(0, num_iters):
-            jj = it // CHUNKS
-            o = (it % CHUNKS) * BLOCK_N + offs_n
-            this_page = sel_idx == jj
-            p_phys = tl.sum(tl.where(this_page, phys, 0), axis=0)
-            p_keys = tl.sum(tl.where(this_page, n_keys, 0), axis=0)
+            first, p_phys, p_keys = _tile_page(it, sel_idx, phys, n_keys, CHUNKS, BLOCK_N)
+            o = first + offs_n
             key_ok = o < p_keys  # keys past the row's limit are never read; a masked-off tile moves no memory
             if KV_FMT == 1:
                 k_slot = kv_ptr + p_phys * stride_kv_p + (2 * g) * stride_kv_h
@@ -599,11 +606,8 @@ def _sparse_gqa_decode_kernel(
         # Key o of a tile: group w holds keys w * KPW .. w * KPW + KPW - 1.
         tile_keys = tl.arange(0, W)[:, None] * KPW + tl.arange(0, KPW)[None, :]  # [W, KPW]
         for it in range(0, num_iters):
-            jj = it // CHUNKS
-            o = (it % CHUNKS) * BLOCK_N + tile_keys
-            this_page = sel_idx == jj
-            p_phys = tl.sum(tl.where(this_page, phys, 0), axis=0)
-            p_keys = tl.sum(tl.where(this_page, n_keys, 0), axis=0)
+            first, p_phys, p_keys = _tile_page(it, sel_idx, phys, n_keys, CHUNKS, BLOCK_N)
+            o = first + tile_keys
             key_ok = o < p_keys  # keys past the row's limit are never read; a masked-off tile moves no memory
             row = kv_ptr + p_phys * stride_kv_p + g * stride_kv_h + o.to(tl.int64) * stride_kv_o  # [W, KPW]
             kv_mask = key_ok[:, :, None] & d_ok[None, None, :]

@@ -458,19 +458,25 @@ if HAS_GLUON:
         _cta_barrier()
         mbarrier.arrive(p_ready)
         if FOLD:
-            # V of group g is its raw values: P takes the group's per-key scale (one bf16 rounding).
-            p0 = gl.convert_layout((p * scales.index(stage * 4).slice(K0, NK).load(COLS)[None, :])
-                                   .to(gl.bfloat16), P_L)
-            o0 = warpgroup_mma(p0, keys.slice(0, 128, dim=1), o0 * alpha_o, is_async=True)
-            p1 = gl.convert_layout((p * scales.index(stage * 4 + 1).slice(K0, NK).load(COLS)[None, :])
-                                   .to(gl.bfloat16), P_L)
-            o1 = warpgroup_mma(p1, keys.slice(128, 128, dim=1), o1 * alpha_o, is_async=True)
+            o0, o1 = _pv_scaled(p, scales, stage * 4, keys, o0, o1, alpha_o, 0, COLS, P_L)
         else:
             p0 = gl.convert_layout(p.to(gl.bfloat16), P_L)
             o0 = warpgroup_mma(p0, keys.slice(0, 128, dim=1), o0 * alpha_o, is_async=True)
             o1 = warpgroup_mma(p0, keys.slice(128, 128, dim=1), o1 * alpha_o, is_async=True)
         o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
         return o0, o1, m_new, l_i
+
+    @gluon.jit
+    def _pv_scaled(p, scales, group, keys, o0, o1, alpha, DIM0: gl.constexpr, COLS: gl.constexpr,
+                   P_L: gl.constexpr):
+        """fp8_656: ``(o0, o1)``, output dims ``[DIM0, DIM0 + 256)``, rescaled by ``alpha`` plus ``P V``
+        over one stage. V of scale group ``g`` is its raw values, so P takes the group's per-key scale
+        (rows ``group`` and ``group + 1`` of the scale table) before its one bf16 rounding."""
+        pa = gl.convert_layout((p * scales.index(group).load(COLS)[None, :]).to(gl.bfloat16), P_L)
+        o0 = warpgroup_mma(pa, keys.slice(DIM0, 128, dim=1), o0 * alpha, is_async=True)
+        pb = gl.convert_layout((p * scales.index(group + 1).load(COLS)[None, :]).to(gl.bfloat16), P_L)
+        o1 = warpgroup_mma(pb, keys.slice(DIM0 + 128, 128, dim=1), o1 * alpha, is_async=True)
+        return o0, o1
 
     @gluon.jit
     def _consumer(
@@ -556,11 +562,8 @@ if HAS_GLUON:
             alpha = stat_smem.index(0).load(ROWS_O)[:, None]
             kn = knope.index(stage)
             if FOLD:
-                p = p_smem.load(S_L).to(gl.float32)
-                p2 = gl.convert_layout((p * scales.index(stage * 4 + 2).load(COLS)[None, :]).to(gl.bfloat16), P_L)
-                o0 = warpgroup_mma(p2, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
-                p3 = gl.convert_layout((p * scales.index(stage * 4 + 3).load(COLS)[None, :]).to(gl.bfloat16), P_L)
-                o1 = warpgroup_mma(p3, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
+                o0, o1 = _pv_scaled(p_smem.load(S_L).to(gl.float32), scales, stage * 4 + 2, kn, o0, o1, alpha, 256,
+                                    COLS, P_L)
             else:
                 o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
                 o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
