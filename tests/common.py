@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_offline_compile(script: str, *args: str) -> subprocess.CompletedProcess:
+    """Run ``scripts/<script>`` (an sm_90 compile that needs no GPU) outside the Triton interpreter,
+    which the test session may have switched on."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    return subprocess.run([sys.executable, os.path.join(REPO, "scripts", script), *args], capture_output=True,
+                          text=True, env=env, timeout=900)
+
 
 _skip_without_cuda = pytest.mark.skipif(
     not HAS_CUDA, reason="needs a CUDA GPU: on one, bash scripts/gpu_suite.sh runs the whole suite"

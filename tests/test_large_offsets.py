@@ -16,7 +16,6 @@ byte 576 * page_size); caches of more than 2**31 bytes or elements; permuted vie
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 
 import pytest
@@ -24,7 +23,7 @@ import torch
 
 import formats_reference as ref
 import torch_sparse_mla as tsm
-from common import HAS_CUDA, requires_cuda, requires_interpreter
+from common import HAS_CUDA, requires_cuda, requires_interpreter, run_offline_compile
 from torch_sparse_mla.ops import kv_cache as kv_ops
 from torch_sparse_mla.ops import sparse_mla as mla_ops
 
@@ -33,7 +32,6 @@ I32, I64 = torch.int32, torch.int64
 HUGE_PAGE = 3_728_271  # fp8_584: 576 * page_size > 2**31, so the scale rows start past 2**31 bytes
 WIDE = 3_800_000  # a column stride whose product with a column index < 576 passes 2**31
 SENTINEL = 0xA5
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 large = pytest.mark.large
 
@@ -60,11 +58,8 @@ requires_address_space = pytest.mark.skipif(sys.maxsize < 2**40 or not _huge_sto
 def test_no_32bit_address_products():
     """scripts/compile_sm90.py compiles every kernel for sm_90 (no GPU needed) and checks the TTIR."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    result = subprocess.run(
-        [sys.executable, os.path.join(REPO, "scripts", "compile_sm90.py"), "--ttir-only", "--check-offsets",
-         "--list", "--cases", "metadata", "kv_cache", "sparse_mla", "sparse_gqa"],
-        capture_output=True, text=True, env=env, timeout=600)
+    result = run_offline_compile("compile_sm90.py", "--ttir-only", "--check-offsets", "--list", "--cases",
+                                 "metadata", "kv_cache", "sparse_mla", "sparse_gqa")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     assert "launches compiled for sm_90" in result.stdout
 
