@@ -23,6 +23,17 @@ def run_offline_compile(script: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=900)
 
 
+def set_args(**values):
+    """A mutation for the bad-input tables: replace arguments, in order, by functions of the arguments
+    (``a``: the argument dict)."""
+
+    def mutate(a):
+        for name, fn in values.items():
+            a[name] = fn(a)
+
+    return mutate
+
+
 _skip_without_cuda = pytest.mark.skipif(
     not HAS_CUDA, reason="needs a CUDA GPU: on one, bash scripts/gpu_suite.sh runs the whole suite"
 )

@@ -15,7 +15,7 @@ from expecttest import assert_expected_inline
 
 import formats_reference as ref
 import torch_sparse_mla as tsm
-from common import assert_no_recompiles, poison, requires_cuda, requires_interpreter
+from common import assert_no_recompiles, poison, requires_cuda, requires_interpreter, set_args
 from torch_sparse_mla.ops import kv_cache as kernels
 
 ops = torch.ops.sparse_mla
@@ -472,77 +472,69 @@ def _valid_call(op: str) -> dict:
     return dict(kv_cache=cache, slots=slots, kv_format="fp8_656")
 
 
-def _set(**values):
-    """A mutation: replace arguments, in order, by functions of the arguments (``a``: the argument dict)."""
-
-    def mutate(a):
-        for name, fn in values.items():
-            a[name] = fn(a)
-
-    return mutate
-
-
 def _u8(*shape):
     return torch.zeros(*shape, dtype=torch.uint8)
 
 
 # (operator, mutation of a valid call, expected message)
 ERRORS = {
-    "format": ("kv_cache_insert", _set(kv_format=lambda a: "fp8"),
+    "format": ("kv_cache_insert", set_args(kv_format=lambda a: "fp8"),
                r"kv_format: expected one of 'auto', 'fp8_656', 'fp8_584', got 'fp8'"),
-    "kv_dtype": ("kv_cache_insert", _set(kv=lambda a: a["kv"].int()),
+    "kv_dtype": ("kv_cache_insert", set_args(kv=lambda a: a["kv"].int()),
                  r"kv: expected dtype bfloat16 or float16 or float32, got int32"),
-    "kv_dim": ("kv_cache_insert", _set(kv_cache=lambda a: cache_for("fp8_584", "ps64"), kv_format=lambda a: "fp8_584"),
+    "kv_dim": ("kv_cache_insert",
+               set_args(kv_cache=lambda a: cache_for("fp8_584", "ps64"), kv_format=lambda a: "fp8_584"),
                r"kv: expected shape\[1\] == the cache's latent dimension D \(512\)"),
-    "slot_dtype": ("kv_cache_insert", _set(slot_mapping=lambda a: a["slot_mapping"].int()),
+    "slot_dtype": ("kv_cache_insert", set_args(slot_mapping=lambda a: a["slot_mapping"].int()),
                    r"slot_mapping: expected dtype int64, got int32"),
-    "slot_len": ("kv_cache_insert", _set(slot_mapping=lambda a: a["slot_mapping"][:3]),
+    "slot_len": ("kv_cache_insert", set_args(slot_mapping=lambda a: a["slot_mapping"][:3]),
                  r"slot_mapping: expected shape\[0\] == kv.shape\[0\] \(4\), got shape \(3,\)"),
-    "slot_device": ("kv_cache_insert", _set(slot_mapping=lambda a: a["slot_mapping"].to("meta")),
+    "slot_device": ("kv_cache_insert", set_args(slot_mapping=lambda a: a["slot_mapping"].to("meta")),
                     r"slot_mapping: expected a tensor on cpu \(where the first argument is\), got meta"),
-    "cache_dtype": ("kv_cache_insert", _set(kv_cache=lambda a: torch.zeros(2, 4, 656, dtype=BF16)),
+    "cache_dtype": ("kv_cache_insert", set_args(kv_cache=lambda a: torch.zeros(2, 4, 656, dtype=BF16)),
                     r"kv_cache: expected dtype uint8, got bfloat16"),
-    "cache_width": ("kv_cache_insert", _set(kv_cache=lambda a: cache_for("fp8_584", "ps64")),
+    "cache_width": ("kv_cache_insert", set_args(kv_cache=lambda a: cache_for("fp8_584", "ps64")),
                     r"kv_cache: expected shape\[-1\] == 656"),
-    "fp8_656_row_stride": ("kv_cache_insert", _set(kv_cache=lambda a: _u8(2, 4, 700)[:, :, :656]),
+    "fp8_656_row_stride": ("kv_cache_insert", set_args(kv_cache=lambda a: _u8(2, 4, 700)[:, :, :656]),
                            r"kv_cache: expected stride\(1\) == 656 for fp8_656"),
-    "pages_overlap": ("kv_cache_gather", _set(kv_format=lambda a: "fp8_584", kv_cache=lambda a: torch.as_strided(
+    "pages_overlap": ("kv_cache_gather", set_args(kv_format=lambda a: "fp8_584", kv_cache=lambda a: torch.as_strided(
         _u8(5000), (3, 4, 584), (1000, 584, 1))), r"kv_cache: expected stride\(0\) >= page_size \* 584"),
     # The bounds proof: a view whose strides reach fewer bytes than the fp8_584 page layout uses.
-    "fp8_584_view_too_small": ("kv_cache_insert", _set(
+    "fp8_584_view_too_small": ("kv_cache_insert", set_args(
         kv=lambda a: a["kv"][:, :512], kv_format=lambda a: "fp8_584",
         kv_cache=lambda a: torch.as_strided(_u8(2 * 2336), (2, 4, 584), (2336, 10, 1))),
         r"kv_cache: expected a view that covers the fp8_584 layout of its pages \(2336 bytes from each page's "
         r"start, so stride\(1\) >= 584\), got shape \(2, 4, 584\) and strides \(2336, 10, 1\)"),
-    "fp8_584_view_too_small_gather": ("kv_cache_gather", _set(
+    "fp8_584_view_too_small_gather": ("kv_cache_gather", set_args(
         kv_format=lambda a: "fp8_584", kv_cache=lambda a: torch.as_strided(_u8(4000), (1, 4, 584), (4000, 583, 1))),
         r"kv_cache: expected a view that covers the fp8_584 layout"),
-    "auto_last_stride": ("kv_cache_insert", _set(kv_format=lambda a: "auto",
+    "auto_last_stride": ("kv_cache_insert", set_args(kv_format=lambda a: "auto",
                                                  kv_cache=lambda a: torch.zeros(2, 4, 1152, dtype=BF16)[:, :, ::2]),
                          r"kv_cache: expected stride\(-1\) == 1"),
-    "auto_dtype": ("kv_cache_gather", _set(kv_format=lambda a: "auto",
+    "auto_dtype": ("kv_cache_gather", set_args(kv_format=lambda a: "auto",
                                            kv_cache=lambda a: torch.zeros(2, 4, 576, dtype=torch.int8)),
                    r"kv_cache: expected dtype bfloat16 or float16 or float32, got int8"),
-    "slots_dtype": ("kv_cache_gather", _set(slots=lambda a: a["slots"].float()),
+    "slots_dtype": ("kv_cache_gather", set_args(slots=lambda a: a["slots"].float()),
                     r"slots: expected dtype int32 or int64, got float32"),
-    "slots_rank": ("kv_cache_gather", _set(slots=lambda a: a["slots"].view(2, 2)),
+    "slots_rank": ("kv_cache_gather", set_args(slots=lambda a: a["slots"].view(2, 2)),
                    r"slots: expected a 1-D tensor, got shape \(2, 2\)"),
-    "dtype": ("kv_cache_gather", _set(dtype=lambda a: torch.int8),
+    "dtype": ("kv_cache_gather", set_args(dtype=lambda a: torch.int8),
               r"dtype: expected bfloat16 or float16 or float32 \(or None for bfloat16\), got int8"),
-    "out_dtype": ("kv_cache_gather", _set(dtype=lambda a: BF16, out=lambda a: torch.empty(4, 576, dtype=F16)),
+    "out_dtype": ("kv_cache_gather", set_args(dtype=lambda a: BF16, out=lambda a: torch.empty(4, 576, dtype=F16)),
                   r"out: expected dtype bfloat16, got float16"),
-    "out_rows": ("kv_cache_gather", _set(out=lambda a: torch.empty(5, 576, dtype=BF16)),
+    "out_rows": ("kv_cache_gather", set_args(out=lambda a: torch.empty(5, 576, dtype=BF16)),
                  r"out: expected shape\[0\] == len\(slots\) \(4\), got shape \(5, 576\)"),
-    "out_dim": ("kv_cache_gather", _set(kv_format=lambda a: "fp8_584", kv_cache=lambda a: cache_for("fp8_584", "ps64"),
-                                        out=lambda a: torch.empty(4, 576, dtype=BF16)),
+    "out_dim": ("kv_cache_gather",
+                set_args(kv_format=lambda a: "fp8_584", kv_cache=lambda a: cache_for("fp8_584", "ps64"),
+                         out=lambda a: torch.empty(4, 576, dtype=BF16)),
                 r"out: expected shape\[1\] == the cache's latent dimension D \(512\)"),
-    "out_not_a_tensor": ("kv_cache_gather", _set(out=lambda a: (torch.empty(4, 576, dtype=BF16),)),
+    "out_not_a_tensor": ("kv_cache_gather", set_args(out=lambda a: (torch.empty(4, 576, dtype=BF16),)),
                          r"out: expected a tensor \(the out buffer\), got tuple"),
     # written tensors that alias an input (checked on data pointers in the real implementation)
-    "kv_inside_cache": ("kv_cache_insert", _set(
+    "kv_inside_cache": ("kv_cache_insert", set_args(
         kv_format=lambda a: "auto", kv_cache=lambda a: cache_for("auto", "ps64", dtype=F32),
         kv=lambda a: a["kv_cache"][1, :4]), r"kv_cache: overlaps the memory of input kv"),
-    "out_inside_cache": ("kv_cache_gather", _set(
+    "out_inside_cache": ("kv_cache_gather", set_args(
         kv_format=lambda a: "auto", kv_cache=lambda a: cache_for("auto", "ps64", dtype=F32),
         out=lambda a: a["kv_cache"][0, 10:14]), r"out: overlaps the memory of input kv_cache"),
 }

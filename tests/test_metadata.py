@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import torch_sparse_mla as tsm
-from common import INTERPRETER, assert_no_recompiles, poison, requires_cuda, requires_interpreter
+from common import INTERPRETER, assert_no_recompiles, poison, requires_cuda, requires_interpreter, set_args
 from torch_sparse_mla.ops import metadata as kernels
 
 ops = torch.ops.sparse_mla
@@ -608,73 +608,64 @@ def _drop(name):
     return lambda a: a.pop(name)
 
 
-def _set(**values):
-    """A mutation: replace arguments, in order, by functions of the arguments (``a``: the argument dict)."""
-
-    def mutate(a):
-        for name, fn in values.items():
-            a[name] = fn(a)
-
-    return mutate
-
-
 def _i32(*shape):
     return torch.empty(*shape, dtype=I32)
 
 
 # (operator, mutation of a valid call, expected message)
 ERRORS = {
-    "positions_dtype": ("swa_indices", _set(positions=lambda a: a["positions"].int()),
+    "positions_dtype": ("swa_indices", set_args(positions=lambda a: a["positions"].int()),
                         r"positions: expected dtype int64, got int32"),
-    "block_table_rank": ("swa_indices", _set(block_table=lambda a: a["block_table"][0]),
+    "block_table_rank": ("swa_indices", set_args(block_table=lambda a: a["block_table"][0]),
                          r"block_table: expected a 2-D tensor"),
-    "token_to_req_len": ("swa_indices", _set(token_to_req=lambda a: a["token_to_req"][1:]),
+    "token_to_req_len": ("swa_indices", set_args(token_to_req=lambda a: a["token_to_req"][1:]),
                          r"token_to_req: expected shape\[0\] == len\(positions\)"),
-    "window_zero": ("swa_indices", _set(window=lambda a: 0), r"window: expected an int >= 1, got 0"),
-    "window_past_int32": ("swa_indices", _set(window=lambda a: 2**31), r"window: expected an int <= 2147483647"),
-    "block_size_past_int32": ("compressed_topk_to_global", _set(block_size=lambda a: 2**40),
+    "window_zero": ("swa_indices", set_args(window=lambda a: 0), r"window: expected an int >= 1, got 0"),
+    "window_past_int32": ("swa_indices", set_args(window=lambda a: 2**31), r"window: expected an int <= 2147483647"),
+    "block_size_past_int32": ("compressed_topk_to_global", set_args(block_size=lambda a: 2**40),
                               r"block_size: expected an int <= 2147483647, got 1099511627776"),
-    "block_table_device": ("swa_indices", _set(block_table=lambda a: a["block_table"].to("meta")),
+    "block_table_device": ("swa_indices", set_args(block_table=lambda a: a["block_table"].to("meta")),
                            r"block_table: expected a tensor on cpu \(where the first argument is\), got meta"),
-    "query_start_loc_len": ("compressed_slot_mapping", _set(query_start_loc=lambda a: a["query_start_loc"][:-1]),
+    "query_start_loc_len": ("compressed_slot_mapping", set_args(query_start_loc=lambda a: a["query_start_loc"][:-1]),
                             r"query_start_loc: expected shape\[0\] == len\(seq_lens\) \+ 1"),
     "num_tokens_missing": ("compressed_slot_mapping", _drop("num_tokens"), r"num_tokens: required"),
-    "compress_ratio_zero": ("compressed_slot_mapping", _set(compress_ratio=lambda a: 0),
+    "compress_ratio_zero": ("compressed_slot_mapping", set_args(compress_ratio=lambda a: 0),
                             r"compress_ratio: expected an int >= 1"),
-    "num_decode_tokens": ("c128a_topk_indices", _set(num_decode_tokens=lambda a: 999),
+    "num_decode_tokens": ("c128a_topk_indices", set_args(num_decode_tokens=lambda a: 999),
                           r"num_decode_tokens: expected <= len\(positions\)"),
-    "width_past_int32": ("c128a_topk_indices", _set(width=lambda a: 2**31), r"width: expected an int <= 2147483647"),
-    "decode_indices_width": ("c128a_topk_indices", _set(out=lambda a: c128a_outputs_for(a, capacity=7)),
+    "width_past_int32": ("c128a_topk_indices", set_args(width=lambda a: 2**31),
+                         r"width: expected an int <= 2147483647"),
+    "decode_indices_width": ("c128a_topk_indices", set_args(out=lambda a: c128a_outputs_for(a, capacity=7)),
                              r"decode_indices: expected shape\[1\] >= width \(8\)"),
-    "qo_offset_len": ("decode_runtime_metadata", _set(out=lambda a: (_i32(2 * a["seq_lens"].shape[0]), _i32(1))),
+    "qo_offset_len": ("decode_runtime_metadata", set_args(out=lambda a: (_i32(2 * a["seq_lens"].shape[0]), _i32(1))),
                       r"qo_offset: expected shape\[0\] == len\(seq_lens\) \* decode_query_len"),
     "lens_dtype": ("compressed_topk_to_global",
-                   _set(out=lambda a: (_i32(*a["local_indices"].shape), a["slot_mapping"].clone())),
+                   set_args(out=lambda a: (_i32(*a["local_indices"].shape), a["slot_mapping"].clone())),
                    r"lens: expected dtype int32, got int64"),
     # out= of the public functions: the right number of tensors, named
-    "out_not_a_tuple": ("swa_indices", _set(out=lambda a: _i32(2, 4)),
+    "out_not_a_tuple": ("swa_indices", set_args(out=lambda a: _i32(2, 4)),
                         r"out: expected a tuple of 2 tensors \(indices, lens\), got Tensor"),
-    "out_too_short": ("c128a_topk_indices", _set(out=lambda a: c128a_outputs_for(a, capacity=8)[:2]),
+    "out_too_short": ("c128a_topk_indices", set_args(out=lambda a: c128a_outputs_for(a, capacity=8)[:2]),
                       r"out: expected a tuple of 3 tensors \(decode_indices, decode_lens, prefill_indices\), "
                       r"got tuple of \(Tensor, Tensor\)"),
-    "out_not_a_tensor": ("compressed_slot_mapping", _set(out=lambda a: (torch.empty(3, dtype=I64),)),
+    "out_not_a_tensor": ("compressed_slot_mapping", set_args(out=lambda a: (torch.empty(3, dtype=I64),)),
                          r"out: expected a tensor \(the out buffer\), got tuple"),
     # an output buffer that aliases an input (checked on data pointers in the real implementation)
     "lens_aliases_input": ("swa_indices",
-                           _set(out=lambda a: (_i32(a["positions"].shape[0], 4), a["token_to_req"])),
+                           set_args(out=lambda a: (_i32(a["positions"].shape[0], 4), a["token_to_req"])),
                            r"lens: overlaps the memory of input token_to_req"),
     "indices_alias_input": ("compressed_topk_to_global",
-                            _set(out=lambda a: (a["local_indices"], _i32(a["local_indices"].shape[0]))),
+                            set_args(out=lambda a: (a["local_indices"], _i32(a["local_indices"].shape[0]))),
                             r"indices: overlaps the memory of input local_indices"),
     "qo_offset_aliases_seq_lens": ("decode_runtime_metadata",
-                                   _set(decode_query_len=lambda a: 1,
+                                   set_args(decode_query_len=lambda a: 1,
                                         out=lambda a: (_i32(a["seq_lens"].shape[0]), a["seq_lens"])),
                                    r"qo_offset: overlaps the memory of input seq_lens"),
     "outputs_overlap": ("c128a_topk_indices",
-                        _set(out=lambda a: (lambda bufs: (bufs[0], bufs[0][0], bufs[2]))(c128a_outputs_for(a, 8))),
+                        set_args(out=lambda a: (lambda bufs: (bufs[0], bufs[0][0], bufs[2]))(c128a_outputs_for(a, 8))),
                         r"decode_indices: overlaps the memory of output decode_lens"),
     "out_aliases_query_start_loc": ("compressed_slot_mapping",
-                            _set(out=lambda a: a["query_start_loc"].view(torch.int64)[:1]
+                            set_args(out=lambda a: a["query_start_loc"].view(torch.int64)[:1]
                                  if a["query_start_loc"].numel() >= 2 else None),
                             r"out: overlaps the memory of input query_start_loc"),
 }
