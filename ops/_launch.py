@@ -14,13 +14,17 @@ One set of conventions for all of them (metadata, KV cache, sparse MLA, sparse G
   for the launch when it differs.
 - **Cheap launches.** :class:`KernelLaunch` holds one kernel with a fixed grid and fixed constexprs.
   Its first call per pointer-alignment pattern goes through Triton's normal ``kernel[grid](...)``
-  (which compiles or loads the kernel and returns the compiled handle); later calls launch that
-  handle directly, skipping Triton's per-call argument binding and cache-key computation. The
-  shortcut relies on the ``CompiledKernel.run`` calling convention shared by the Triton versions the
-  library is tested with (3.6 and 3.7); with any other version, under the Triton interpreter, or with
-  ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the normal path. Triton's
-  launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as proton) are not called
-  on the shortcut; set that variable while profiling with them.
+  (which compiles or loads the kernel and returns the compiled handle); later calls hand that
+  kernel's C launch function the argument list directly, skipping Triton's per-call argument
+  binding, cache-key computation and launcher wrapper. Tensors are passed as their integer device
+  addresses: Triton's launcher otherwise calls ``data_ptr()`` again and asks the driver to validate
+  every pointer (``cuPointerGetAttribute``), one driver call per tensor argument. (The launchers only
+  ever run on CUDA tensors that the operator's checks have already accepted.) The shortcut relies on
+  the launch-function conventions of the Triton versions the library is tested with (3.6 and 3.7);
+  with any other version, for a kernel that needs Triton-allocated scratch memory, under the Triton
+  interpreter, or with ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the
+  normal path. Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as
+  proton) are not called on the shortcut; set that variable while profiling with them.
 - **One offset rule.** Triton passes a Python int that fits in 32 bits as an ``i32`` (and the value 1 as
   the constexpr 1), so a product of two kernel arguments, or of an argument and a 32-bit index, wraps
   past 2**31. Every kernel therefore widens, at its top, every stride and every size that enters an
@@ -139,16 +143,45 @@ class PlanCache(dict):
         return plan
 
 
-def _fast_launch_supported() -> bool:
+def _fast_launch_abi() -> tuple[int, int] | None:
+    """The Triton version whose launch-function convention the shortcut uses, or None (no shortcut)."""
     if not HAS_TRITON or os.environ.get("TORCH_SPARSE_MLA_JIT_LAUNCH") == "1":
-        return False
+        return None
     if os.environ.get("TRITON_INTERPRET") == "1":
-        return False
+        return None
     major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    return (major, minor) in ((3, 6), (3, 7))
+    return (major, minor) if (major, minor) in ((3, 6), (3, 7)) else None
 
 
-_FAST = _fast_launch_supported()
+_ABI = _fast_launch_abi()
+_FAST = _ABI is not None
+
+
+def _direct_launcher(compiled):
+    """``(launch, head, tail)`` for launching a compiled kernel without Triton's JIT binding, or None
+    where the compiled handle does not have the expected attributes.
+
+    Where possible ``launch`` is the kernel's C launch function, called without Triton's Python
+    launcher wrapper: Triton 3.6 ``launch(gx, gy, gz, stream, *head, *args)``, Triton 3.7
+    ``launch(gx, gy, gz, stream, *head, *tail, args)``. A kernel that needs Triton-allocated scratch
+    memory (which that wrapper allocates per launch), or whose launch function is wrapped (tensor
+    descriptors), gets the wrapper itself (``CompiledKernel.run``, same call form as 3.6's)."""
+    run = getattr(compiled, "run", None)
+    if run is None or not hasattr(compiled, "function") or not hasattr(compiled, "packed_metadata"):
+        return None
+    wrapper = (run, (compiled.function, compiled.packed_metadata, None, None, None), None)
+    launch = getattr(run, "launch", None)
+    if launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+        return wrapper
+    if type(launch).__name__ != "builtin_function_or_method":  # wrapped (tensor descriptors)
+        return wrapper
+    coop, pdl = run.launch_cooperative_grid, run.launch_pdl
+    if _ABI == (3, 6):
+        return launch, (compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None), None
+    if _ABI == (3, 7):
+        return (launch, (compiled.function, coop, pdl, compiled.packed_metadata, None, None, None, None, None),
+                (run.arg_annotations, run.kernel_signature))
+    return wrapper
 
 
 def _get_device() -> int:
@@ -193,28 +226,41 @@ class KernelLaunch:
 
     def __call__(self, *tensors) -> None:
         args = self.template.copy()
-        for i, t in zip(self.tensor_pos, tensors):
-            args[i] = t
         if self.device is None or not _FAST:
+            for i, t in zip(self.tensor_pos, tensors):
+                args[i] = t
             self._jit_launch(args)
             return
         align = 0
-        for t in tensors:
-            align = (align << 1) | (t.data_ptr() % 16 == 0)
-        compiled = self.compiled.get(align)
-        if compiled is None:
+        for i, t in zip(self.tensor_pos, tensors):
+            ptr = args[i] = t.data_ptr()
+            align = (align << 1) | (ptr % 16 == 0)
+        entry = self.compiled.get(align)
+        if entry is None:
+            for i, t in zip(self.tensor_pos, tensors):
+                args[i] = t
             compiled = self._jit_launch(args)
-            if hasattr(compiled, "function") and hasattr(compiled, "packed_metadata"):
-                self.compiled[align] = compiled
+            entry = _direct_launcher(compiled)
+            if entry is not None:
+                self.compiled[align] = entry
             return
+        launch, head, tail = entry
         g0, g1, g2 = self.grid
-        if _get_device() == self.device:
-            compiled.run(g0, g1, g2, _raw_stream(self.device), compiled.function, compiled.packed_metadata,
-                         None, None, None, *args)
-        else:
+        if _get_device() != self.device:
             with torch.cuda.device(self.device):
-                compiled.run(g0, g1, g2, _raw_stream(self.device), compiled.function, compiled.packed_metadata,
-                             None, None, None, *args)
+                self._launch(launch, head, tail, args)
+            return
+        if tail is None:
+            launch(g0, g1, g2, _raw_stream(self.device), *head, *args)
+        else:
+            launch(g0, g1, g2, _raw_stream(self.device), *head, *tail, args)
+
+    def _launch(self, launch, head, tail, args):
+        g0, g1, g2 = self.grid
+        if tail is None:
+            launch(g0, g1, g2, _raw_stream(self.device), *head, *args)
+        else:
+            launch(g0, g1, g2, _raw_stream(self.device), *head, *tail, args)
 
     def _jit_launch(self, args):
         n = len(args) - len(self.meta) if getattr(self.kernel, "arg_names", None) is not None else len(args)

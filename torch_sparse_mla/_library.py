@@ -152,9 +152,12 @@ def unpack_out(name: str, out) -> tuple:
 
 def _metadata_key(args: tuple, outputs=()) -> tuple:
     """Everything a fake's checks read: shape, strides, dtype and device of each tensor, and the value
-    of every other argument."""
-    return (*[(a.shape, a.stride(), a.dtype, a.device) if isinstance(a, torch.Tensor) else a for a in args],
-            *[(a.shape, a.stride(), a.dtype, a.device) for a in outputs])
+    of every other argument. (The implementations registered for ``CPU`` and ``CUDA`` only see tensors
+    of those two device types, so ``get_device()``, -1 on CPU, identifies the device.)"""
+    key = [(a.shape, a.stride(), a.dtype, a.get_device()) if isinstance(a, torch.Tensor) else a for a in args]
+    for a in outputs:
+        key.append((a.shape, a.stride(), a.dtype, a.get_device()))
+    return tuple(key)
 
 
 class _Validated(dict):
@@ -234,13 +237,97 @@ def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, func
     """Fakes and the CPU / CUDA kernels of one operator. ``functional_*`` replace the generic
     functional wrapper where the functional overload has arguments the kernels do not take."""
     if fake is not None:
-        _lib.impl(name, functional_cpu or _functional(name, fake, cpu), "CPU")
-        _lib.impl(name, functional_cuda or _functional(name, fake, cuda), "CUDA")
+        impls = (functional_cpu or _functional(name, fake, cpu), functional_cuda or _functional(name, fake, cuda))
+        _lib.impl(name, impls[0], "CPU")
+        _lib.impl(name, impls[1], "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
+        _DIRECT[name] = (_argument_kinds(name), *impls)
         name = name + ".out"
-    _lib.impl(name, _out(name, fake_out, cpu), "CPU")
-    _lib.impl(name, _out(name, fake_out, cuda), "CUDA")
+    impls = (_out(name, fake_out, cpu), _out(name, fake_out, cuda))
+    _lib.impl(name, impls[0], "CPU")
+    _lib.impl(name, impls[1], "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake_out, lib=_lib)
+    _DIRECT[name] = (_argument_kinds(name), *impls)
+
+
+# -- eager calls of the public functions ---------------------------------------------------------------
+#
+# The PyTorch dispatcher's call into a Python kernel (argument parsing against the schema, boxing,
+# unboxing) costs several microseconds per call, more than the library's own checks and launches. The
+# public functions therefore call the registered CPU / CUDA implementation themselves when nothing the
+# dispatcher would do can matter: plain eager execution (not compiling, tracing, vmapping or
+# profiling; no dispatch or torch-function mode active), every tensor argument an exact
+# ``torch.Tensor`` on CPU or CUDA and no gradient wanted, every other argument of exactly its schema
+# type. The implementation is the same function the dispatcher would call (fake checks first, then
+# the kernel), so results and errors are identical. Anything else goes through
+# ``torch.ops.sparse_mla``. ``torch.ops.sparse_mla.*`` called directly always takes the dispatcher.
+
+#: Set to False to send every call of the public functions through the dispatcher (the benchmark's
+#: host-overhead table measures both).
+DIRECT_CALLS = True
+_DIRECT: dict[str, tuple] = {}  # overload ("name" or "name.out") -> (argument kinds, CPU impl, CUDA impl)
+_OVERLOADS: dict[str, object] = {}  # overload -> torch.ops.sparse_mla OpOverload
+_Tensor = torch.Tensor
+_dtype = torch.dtype
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_function_mode = torch._C._is_torch_function_mode_enabled
+_transforms = torch._C._functorch.peek_interpreter_stack
+_jit_tracing = torch._C._get_tracing_state
+_profiler = torch.autograd.profiler
+_grad_enabled = torch.is_grad_enabled
+_KINDS = {"Tensor": _Tensor, "Optional[Tensor]": None, "float": float, "int": int, "SymInt": int, "str": str,
+          "Optional[ScalarType]": _dtype}
+
+
+def _argument_kinds(overload: str) -> tuple:
+    """Per positional argument of ``overload``: the exact class its value must have for a direct call
+    (``None`` for an optional tensor, ``torch.dtype`` for an optional dtype, which may also be None)."""
+    base, _, name = overload.partition(".")
+    op = getattr(getattr(torch.ops.sparse_mla, base), name or "default")
+    _OVERLOADS[overload] = op
+    return tuple(_KINDS[str(a.real_type)] for a in op._schema.arguments if not a.kwarg_only)
+
+
+def _eager_impl(overload: str, args: tuple, outputs: dict):
+    """The implementation ``torch.ops.sparse_mla.<overload>`` would run for these arguments, when
+    calling it directly is indistinguishable from the dispatcher's call; otherwise None."""
+    if (_dispatch_modes() or _function_mode() or _transforms() is not None or _jit_tracing() is not None
+            or _profiler._is_profiler_enabled):
+        return None
+    kinds, cpu, cuda = _DIRECT[overload]
+    if len(args) > len(kinds):
+        return None
+    tensors = list(outputs.values())
+    for value, kind in zip(args, kinds):
+        cls = value.__class__
+        if cls is _Tensor:
+            if kind is _Tensor or kind is None:
+                tensors.append(value)
+                continue
+            return None
+        if cls is not kind and not (value is None and (kind is None or kind is _dtype)):
+            return None
+    grad = _grad_enabled()
+    on_cuda = False
+    for t in tensors:
+        if t.__class__ is not _Tensor or (grad and t.requires_grad):
+            return None
+        if t.is_cuda:
+            on_cuda = True
+        elif not t.is_cpu:
+            return None
+    return cuda if on_cuda else cpu
+
+
+def call(overload: str, *args, **outputs):
+    """``torch.ops.sparse_mla.<overload>(*args, **outputs)``, with the dispatcher skipped for a plain
+    eager call (see above). ``overload`` is ``"name"`` (the functional or only overload) or
+    ``"name.out"``."""
+    if DIRECT_CALLS and not torch.compiler.is_compiling():
+        impl = _eager_impl(overload, args, outputs)
+        if impl is not None:
+            return impl(*args, **outputs)
+    return _OVERLOADS[overload](*args, **outputs)
 
 
 def _compressed_slot_mapping(kernel):

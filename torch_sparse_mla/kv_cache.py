@@ -19,9 +19,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla._library import unpack_out
+from torch_sparse_mla._library import call, unpack_out
 
-_ops = torch.ops.sparse_mla
 
 
 def kv_cache_insert(
@@ -53,7 +52,7 @@ def kv_cache_insert(
 
     CUDA-graph safe; works under ``torch.compile(fullgraph=True)`` (a mutating custom op).
     """
-    _ops.kv_cache_insert(kv, slot_mapping, kv_cache, kv_format)
+    call("kv_cache_insert", kv, slot_mapping, kv_cache, kv_format)
 
 
 def kv_cache_gather(
@@ -86,6 +85,6 @@ def kv_cache_gather(
     """
     if out is not None:
         (out,) = unpack_out("kv_cache_gather", out)
-        _ops.kv_cache_gather.out(kv_cache, slots, kv_format, dtype, out=out)
+        call("kv_cache_gather.out", kv_cache, slots, kv_format, dtype, out=out)
         return out
-    return _ops.kv_cache_gather(kv_cache, slots, kv_format, dtype)
+    return call("kv_cache_gather", kv_cache, slots, kv_format, dtype)

@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla._library import unpack_out
+from torch_sparse_mla._library import call, unpack_out
 
-_ops = torch.ops.sparse_mla
 
 
 def compressed_slot_mapping(
@@ -48,13 +47,13 @@ def compressed_slot_mapping(
     """
     if out is not None:
         (out,) = unpack_out("compressed_slot_mapping", out)
-        _ops.compressed_slot_mapping.out(query_start_loc, seq_lens, block_table, block_size, compress_ratio,
+        call("compressed_slot_mapping.out", query_start_loc, seq_lens, block_table, block_size, compress_ratio,
                                          out=out)
         return out
     if num_tokens is None:
         raise ValueError("num_tokens: required when no `out` buffer is given (the host never reads "
                          "query_start_loc[-1]); pass the number of tokens in the batch")
-    return _ops.compressed_slot_mapping(query_start_loc, seq_lens, block_table, num_tokens, block_size,
+    return call("compressed_slot_mapping", query_start_loc, seq_lens, block_table, num_tokens, block_size,
                                        compress_ratio)
 
 
@@ -91,11 +90,11 @@ def c128a_topk_indices(
     """
     if out is not None:
         decode_indices, decode_lens, prefill_indices = unpack_out("c128a_topk_indices", out)
-        _ops.c128a_topk_indices.out(positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
+        call("c128a_topk_indices.out", positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
                                     compress_ratio, block_size, width, decode_indices=decode_indices,
                                     decode_lens=decode_lens, prefill_indices=prefill_indices)
         return decode_indices, decode_lens, prefill_indices
-    return _ops.c128a_topk_indices(positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
+    return call("c128a_topk_indices", positions, token_to_req, block_table, slot_mapping, num_decode_tokens,
                                    compress_ratio, block_size, width)
 
 
@@ -121,10 +120,10 @@ def decode_runtime_metadata(
     """
     if out is not None:
         kv_segment_lens, qo_offset = unpack_out("decode_runtime_metadata", out)
-        _ops.decode_runtime_metadata.out(seq_lens, decode_query_len, kv_segment_lens=kv_segment_lens,
+        call("decode_runtime_metadata.out", seq_lens, decode_query_len, kv_segment_lens=kv_segment_lens,
                                          qo_offset=qo_offset)
         return kv_segment_lens, qo_offset
-    return _ops.decode_runtime_metadata(seq_lens, decode_query_len)
+    return call("decode_runtime_metadata", seq_lens, decode_query_len)
 
 
 def swa_indices(
@@ -155,10 +154,10 @@ def swa_indices(
     """
     if out is not None:
         indices, lens = unpack_out("swa_indices", out)
-        _ops.swa_indices.out(positions, token_to_req, block_table, slot_mapping, window, block_size,
+        call("swa_indices.out", positions, token_to_req, block_table, slot_mapping, window, block_size,
                              indices=indices, lens=lens)
         return indices, lens
-    return _ops.swa_indices(positions, token_to_req, block_table, slot_mapping, window, block_size)
+    return call("swa_indices", positions, token_to_req, block_table, slot_mapping, window, block_size)
 
 
 def compressed_topk_to_global(
@@ -187,7 +186,7 @@ def compressed_topk_to_global(
     """
     if out is not None:
         indices, lens = unpack_out("compressed_topk_to_global", out)
-        _ops.compressed_topk_to_global.out(local_indices, token_to_req, block_table, slot_mapping, block_size,
+        call("compressed_topk_to_global.out", local_indices, token_to_req, block_table, slot_mapping, block_size,
                                            indices=indices, lens=lens)
         return indices, lens
-    return _ops.compressed_topk_to_global(local_indices, token_to_req, block_table, slot_mapping, block_size)
+    return call("compressed_topk_to_global", local_indices, token_to_req, block_table, slot_mapping, block_size)

@@ -13,9 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla._library import unpack_out
+from torch_sparse_mla._library import call, unpack_out
 
-_ops = torch.ops.sparse_mla
 
 
 def sparse_gqa_decode(
@@ -85,11 +84,11 @@ def sparse_gqa_decode(
     v_scale = 1.0 if v_scale is None else v_scale
     if out is not None:
         (out,) = unpack_out("sparse_gqa_decode", out)
-        _ops.sparse_gqa_decode.out(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
+        call("sparse_gqa_decode.out", q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
                                    decode_query_len, softmax_scale, q_scale, k_scale, v_scale, k_scale_tensor,
                                    v_scale_tensor, out=out)
         return out
-    return _ops.sparse_gqa_decode(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
+    return call("sparse_gqa_decode", q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
                                   decode_query_len, softmax_scale, q_scale, k_scale, v_scale, k_scale_tensor,
                                   v_scale_tensor)
 
@@ -136,4 +135,4 @@ def gqa_kv_cache_insert(
     """
     k_scale = 1.0 if k_scale is None else k_scale
     v_scale = 1.0 if v_scale is None else v_scale
-    _ops.gqa_kv_cache_insert(k, v, slot_mapping, kv_cache, k_scale, v_scale, k_scale_tensor, v_scale_tensor)
+    call("gqa_kv_cache_insert", k, v, slot_mapping, kv_cache, k_scale, v_scale, k_scale_tensor, v_scale_tensor)

@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from torch_sparse_mla._library import unpack_out
+from torch_sparse_mla._library import call, unpack_out
 
-_ops = torch.ops.sparse_mla
 
 
 def sparse_mla_decode(
@@ -67,8 +66,8 @@ def sparse_mla_decode(
     """
     if out is not None:
         o, lse = unpack_out("sparse_mla_decode", out)
-        _ops.sparse_mla_decode.out(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length,
+        call("sparse_mla_decode.out", q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length,
                                    attn_sink, extra_kv_cache, extra_indices, extra_topk_length, out=o, lse=lse)
         return o, lse
-    return _ops.sparse_mla_decode(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length,
+    return call("sparse_mla_decode", q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length,
                                   attn_sink, extra_kv_cache, extra_indices, extra_topk_length)

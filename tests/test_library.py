@@ -1,0 +1,209 @@
+"""The call path shared by every operator: the public functions' direct eager calls (they skip the
+dispatcher only where that cannot be observed) and the launcher's shortcut past Triton's Python
+launch path (``ops/_launch.py``)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import torch_sparse_mla as tsm
+from torch_sparse_mla import _library
+from torch_sparse_mla.ops import _launch
+
+from common import requires_cuda
+
+
+@pytest.fixture
+def dispatched(monkeypatch):
+    """Names of the overloads that went through ``torch.ops.sparse_mla`` (the dispatcher)."""
+    calls = []
+    for name, op in list(_library._OVERLOADS.items()):
+        def spy(*args, _name=name, _op=op, **kwargs):
+            calls.append(_name)
+            return _op(*args, **kwargs)
+        monkeypatch.setitem(_library._OVERLOADS, name, spy)
+    return calls
+
+
+def swa_inputs(device="cpu"):
+    positions = torch.tensor([0, 5, 9, 3], dtype=torch.int64, device=device)
+    token_to_req = torch.tensor([0, 0, 1, 1], dtype=torch.int32, device=device)
+    block_table = torch.tensor([[2, 0, 1], [4, 3, -1]], dtype=torch.int32, device=device)
+    slot_mapping = torch.tensor([1, 2, -1, 7], dtype=torch.int64, device=device)
+    return positions, token_to_req, block_table, slot_mapping
+
+
+def mla_inputs(requires_grad=False):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 3, 64, generator=g, dtype=torch.float16).requires_grad_(requires_grad)
+    cache = torch.randn(4, 8, 64, generator=g, dtype=torch.float16)
+    indices = torch.tensor([[0, 3, 31, -1], [7, 8, 100, 2]], dtype=torch.int32)
+    return q, cache, indices
+
+
+def test_every_overload_has_a_direct_entry():
+    """Every registered overload can be called directly, and its argument kinds follow its schema."""
+    for name in _library.SCHEMAS:
+        for overload in ([name, name + ".out"] if _library.SCHEMAS[name][0] else [name]):
+            kinds, cpu, cuda = _library._DIRECT[overload]
+            assert callable(cpu) and callable(cuda) and cpu is not cuda
+            assert overload in _library._OVERLOADS
+    kinds = _library._DIRECT["sparse_gqa_decode"][0]
+    assert kinds[:8] == (torch.Tensor,) * 6 + (int, float) and kinds[-2:] == (None, None)
+    assert _library._DIRECT["kv_cache_gather.out"][0] == (torch.Tensor, torch.Tensor, str, torch.dtype)
+
+
+def test_plain_eager_calls_skip_the_dispatcher(dispatched):
+    args = swa_inputs()
+    want = torch.ops.sparse_mla.swa_indices(*args, 4, 2)
+    got = tsm.swa_indices(*args, window=4, block_size=2)
+    out = (torch.full_like(want[0], -7), torch.full_like(want[1], -7))
+    tsm.swa_indices(*args, window=4, block_size=2, out=out)
+    assert dispatched == []
+    for a, b, c in zip(want, got, out):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+        torch.testing.assert_close(a, c, rtol=0, atol=0)
+    q, cache, indices = mla_inputs()
+    with torch.inference_mode():
+        o, lse = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.125, head_dim_v=32)
+    o2, lse2 = torch.ops.sparse_mla.sparse_mla_decode(q, cache, indices, 0.125, "auto", 32)
+    assert dispatched == []
+    torch.testing.assert_close(o, o2, rtol=0, atol=0)
+    torch.testing.assert_close(lse, lse2, rtol=0, atol=0)
+
+
+def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
+    positions, token_to_req, block_table, slot_mapping = swa_inputs()
+    bad = block_table.to(torch.int64)
+    with pytest.raises(ValueError) as direct:
+        tsm.swa_indices(positions, token_to_req, bad, slot_mapping, window=4, block_size=2)
+    assert dispatched == []
+    with pytest.raises(ValueError) as dispatcher:
+        torch.ops.sparse_mla.swa_indices(positions, token_to_req, bad, slot_mapping, 4, 2)
+    assert str(direct.value) == str(dispatcher.value)
+    with pytest.raises(ValueError, match="overlaps"):  # the per-call overlap check runs on the direct path too
+        tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, window=4, block_size=2,
+                        out=(torch.empty(4, 4, dtype=torch.int32), token_to_req))
+    assert dispatched == []
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_dispatcher_is_used_where_it_can_be_observed(dispatched):
+    args = swa_inputs()
+    # a dispatch mode sees the operator
+    with _Recorder() as rec:
+        tsm.swa_indices(*args, window=4, block_size=2)
+    assert dispatched == ["swa_indices"] and "sparse_mla.swa_indices.default" in rec.ops
+    # fake tensors get the fake
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) for a in args]
+        idx, lens = tsm.swa_indices(*fake, window=4, block_size=2)
+    assert idx.shape == (4, 4) and dispatched[-1] == "swa_indices"
+    # a torch-function mode (here the default-device context) is honoured
+    with torch.device("cpu"):
+        tsm.swa_indices(*args, window=4, block_size=2)
+    assert len(dispatched) == 3
+    # the profiler records the operator
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        tsm.swa_indices(*args, window=4, block_size=2)
+    assert len(dispatched) == 4
+    assert any(e.name == "sparse_mla::swa_indices" for e in prof.events())
+    # an input that wants a gradient, and a scalar of another type than the schema's, are left to the
+    # dispatcher (its autograd handling, its conversion)
+    q, cache, indices = mla_inputs(requires_grad=True)
+    tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.125, head_dim_v=32)
+    assert dispatched[-1] == "sparse_mla_decode"
+    q = q.detach()
+    o_int, _ = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=1, head_dim_v=32)
+    assert len(dispatched) == 6
+    o_float, _ = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=1.0, head_dim_v=32)
+    assert len(dispatched) == 6
+    torch.testing.assert_close(o_int, o_float, rtol=0, atol=0)
+
+
+def test_compiled_calls_use_the_operator():
+    args = swa_inputs()
+
+    def step(positions, token_to_req, block_table, slot_mapping):
+        return tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, window=4, block_size=2)
+
+    torch._dynamo.reset()
+    gm_ops = []
+
+    def backend(gm, example_inputs):
+        gm_ops.extend(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return gm
+
+    got = torch.compile(step, backend=backend, fullgraph=True)(*args)
+    assert "sparse_mla.swa_indices.default" in gm_ops
+    for a, b in zip(got, torch.ops.sparse_mla.swa_indices(*args, 4, 2)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+class _FakeRun:
+    global_scratch_size = 0
+    profile_scratch_size = 0
+    launch_cooperative_grid = False
+    launch_pdl = False
+    arg_annotations = "ann"
+    kernel_signature = b"sig"
+    launch = len  # any builtin
+
+
+class _FakeCompiled:
+    function = 1234
+    packed_metadata = (4, 1, 0)
+    run = _FakeRun()
+
+
+def test_direct_launcher_conventions(monkeypatch):
+    monkeypatch.setattr(_launch, "_ABI", (3, 6))
+    launch, head, tail = _launch._direct_launcher(_FakeCompiled())
+    assert launch is len and tail is None
+    assert head == (1234, False, False, None, None, (4, 1, 0), None, None, None)
+    monkeypatch.setattr(_launch, "_ABI", (3, 7))
+    launch, head, tail = _launch._direct_launcher(_FakeCompiled())
+    assert head == (1234, False, False, (4, 1, 0), None, None, None, None, None) and tail == ("ann", b"sig")
+    # a kernel that needs Triton to allocate scratch memory, or a wrapped launch function, keeps Triton's
+    # launcher wrapper (CompiledKernel.run), still without the JIT's argument binding
+    compiled = _FakeCompiled()
+    compiled.run = type("R", (_FakeRun,), {"global_scratch_size": 128})()
+    assert _launch._direct_launcher(compiled) == (compiled.run, (1234, (4, 1, 0), None, None, None), None)
+    compiled.run = type("R", (_FakeRun,), {"launch": staticmethod(lambda *a: None)})()
+    assert _launch._direct_launcher(compiled)[0] is compiled.run
+    monkeypatch.setattr(_launch, "_ABI", None)
+    assert _launch._direct_launcher(compiled)[0] is compiled.run
+    assert _launch._direct_launcher(object()) is None
+
+
+@requires_cuda
+def test_launch_shortcut_matches_triton_launch():
+    """On the GPU: the second call of a planned launch takes the shortcut (when this Triton version
+    has it) and gives the same results as Triton's own launch path."""
+    from torch_sparse_mla.ops import metadata as metadata_ops
+
+    args = swa_inputs("cuda")
+    want = torch.ops.sparse_mla.swa_indices(*args, 4, 2)
+    metadata_ops._PLANS.clear()
+    for _ in range(3):
+        idx = torch.full((4, 4), -7, dtype=torch.int32, device="cuda")
+        lens = torch.full((4,), -7, dtype=torch.int32, device="cuda")
+        metadata_ops.swa_indices_triton(*args, 4, 2, indices=idx, lens=lens)
+        torch.testing.assert_close(idx, want[0], rtol=0, atol=0)
+        torch.testing.assert_close(lens, want[1], rtol=0, atol=0)
+    (launch,) = metadata_ops._PLANS.values()
+    if _launch._FAST:
+        (entry,) = launch.compiled.values()
+        assert type(entry[0]).__name__ == "builtin_function_or_method"
