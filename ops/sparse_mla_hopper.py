@@ -71,10 +71,12 @@ if HAS_TRITON:
 BLOCK_H = 64  # heads per CTA: the M of one warpgroup's wgmma
 BLOCK_N = 64  # candidates per block (one ring stage)
 _MIN_BLOCKS_PER_SPLIT = 2
-# Registers per thread requested for the second consumer and the producer (setmaxnreg); the first
-# consumer (the default partition: Q K^T, softmax and its half of P V) gets what is left of the 64K
-# register file (248).
-_WORKER_REGS = (176, 80)
+# Registers per thread requested for the second consumer and the producer (setmaxnreg), per cache
+# format; the first consumer (the default partition: Q K^T, softmax and its half of P V) gets what is
+# left of the 64K register file (up to 256). fp8_656's second consumer scales P per group and spills
+# 172 bytes at 176 registers; at 200 it spills 68 and the kernel runs 17-21% faster on an H200
+# (docs/sparse_mla_hopper.md, "Register split"). The other formats are fastest at (176, 80).
+_WORKER_REGS = {"fp8_656": (200, 56), "fp8_584": (176, 80), "auto": (176, 80)}
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -763,7 +765,8 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
     has_extra = extra_kv_cache is not None
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
-                HAS_SINK=attn_sink is not None, SPLIT=plan.num_splits > 1, WORKER_REGS=_WORKER_REGS)
+                HAS_SINK=attn_sink is not None, SPLIT=plan.num_splits > 1,
+                WORKER_REGS=_WORKER_REGS[kv_format])
     return KernelLaunch(_sparse_mla_decode_hopper_kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args,
                         meta, num_warps=4, device=q.device)
 

@@ -36,7 +36,7 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
     dim = 512 if kv_format == "fp8_584" else 576
     constexprs = dict(KV_FORMAT={"auto": 0, "fp8_656": 1, "fp8_584": 2}[kv_format], D=dim, FOLD=kv_format == "fp8_656",
                       HAS_LEN=lengths, HAS_EXTRA=extra, HAS_XLEN=extra and lengths, HAS_SINK=sink, SPLIT=split,
-                      WORKER_REGS=hopper._WORKER_REGS, stride_qd=1, stride_od=1)
+                      WORKER_REGS=hopper._WORKER_REGS[kv_format], stride_qd=1, stride_od=1)
     pointer_types = {"q_ptr": "*bf16", "cache_ptr": cache_ty, "xcache_ptr": cache_ty, "idx_ptr": "*i32",
                      "xidx_ptr": "*i32", "len_ptr": "*i32", "xlen_ptr": "*i32", "sink_ptr": "*fp32",
                      "out_ptr": "*bf16", "lse_ptr": "*fp32", "ws_ptr": "*fp32"}
