@@ -48,12 +48,10 @@ def test_every_overload_has_a_direct_entry():
     """Every registered overload can be called directly, and its argument kinds follow its schema."""
     for name in _library.SCHEMAS:
         for overload in ([name, name + ".out"] if _library.SCHEMAS[name][0] else [name]):
-            kinds, cpu, cuda = _library._DIRECT[overload]
-            assert callable(cpu) and callable(cuda) and cpu is not cuda
-            assert overload in _library._OVERLOADS
-    kinds = _library._DIRECT["sparse_gqa_decode"][0]
+            assert callable(_library._DIRECT[overload]) and overload in _library._OVERLOADS
+    kinds = _library._argument_kinds("sparse_gqa_decode")
     assert kinds[:8] == (torch.Tensor,) * 6 + (int, float) and kinds[-2:] == (None, None)
-    assert _library._DIRECT["kv_cache_gather.out"][0] == (torch.Tensor, torch.Tensor, str, torch.dtype)
+    assert _library._argument_kinds("kv_cache_gather.out") == (torch.Tensor, torch.Tensor, str, torch.dtype)
 
 
 def test_plain_eager_calls_skip_the_dispatcher(dispatched):
@@ -66,6 +64,13 @@ def test_plain_eager_calls_skip_the_dispatcher(dispatched):
     for a, b, c in zip(want, got, out):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
         torch.testing.assert_close(a, c, rtol=0, atol=0)
+    qsl = torch.tensor([0, 1, 3], dtype=torch.int32)
+    seq_lens = torch.tensor([8, 6], dtype=torch.int32)
+    table = torch.tensor([[3, 1], [0, 2]], dtype=torch.int32)
+    got = tsm.compressed_slot_mapping(qsl, seq_lens, table, block_size=2, compress_ratio=4, num_tokens=3)
+    want = torch.ops.sparse_mla.compressed_slot_mapping(qsl, seq_lens, table, 3, 2, 4)
+    assert dispatched == []
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
     q, cache, indices = mla_inputs()
     with torch.inference_mode():
         o, lse = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.125, head_dim_v=32)

@@ -169,6 +169,7 @@ class _Validated(dict):
         if len(self) >= 4096:
             self.clear()
         self[key] = value
+        return value
 
 
 def _functional(name: str, fake, kernel):
@@ -202,6 +203,24 @@ def _written_args(name: str) -> tuple[tuple[str, ...], frozenset[str]]:
     return positional, written
 
 
+def _overlap_layout(positional, written_names, args, outputs) -> tuple:
+    """What :func:`check_no_overlap` needs besides the data pointers: names, where each tensor is
+    (argument position or output name), extents and the positions of the written ones."""
+    entries = [(n, i, memory_extent(a)) for i, (n, a) in enumerate(zip(positional, args))
+               if isinstance(a, torch.Tensor)] + [(n, n, memory_extent(a)) for n, a in outputs.items()]
+    entries = [e for e in entries if e[2] > 0]
+    written = tuple(k for k, (n, _, _) in enumerate(entries) if n in written_names or n in outputs)
+    return (tuple(n for n, _, _ in entries), tuple(i for _, i, _ in entries), tuple(e for _, _, e in entries),
+            written if len(entries) > 1 else ())
+
+
+def _check_overlap(layout, args, outputs) -> None:
+    names, where, extents, written = layout
+    if written:
+        check_no_overlap(names, [(outputs[i] if i.__class__ is str else args[i]).data_ptr() for i in where],
+                         extents, written)
+
+
 def _out(name: str, fake_out, kernel):
     """The real ``out`` overload (or the only overload of a writing operator): check, then write.
 
@@ -216,17 +235,8 @@ def _out(name: str, fake_out, kernel):
         layout = seen.get(key)
         if layout is None:
             fake_out(*args, **outputs)
-            entries = [(n, i, memory_extent(a)) for i, (n, a) in enumerate(zip(positional, args))
-                       if isinstance(a, torch.Tensor)] + [(n, n, memory_extent(a)) for n, a in outputs.items()]
-            entries = [e for e in entries if e[2] > 0]
-            written = tuple(k for k, (n, _, _) in enumerate(entries) if n in written_names or n in outputs)
-            layout = (tuple(n for n, _, _ in entries), tuple(i for _, i, _ in entries),
-                      tuple(e for _, _, e in entries), written if len(entries) > 1 else ())
-            seen.put(key, layout)
-        names, where, extents, written = layout
-        if written:
-            check_no_overlap(names, [(outputs[i] if i.__class__ is str else args[i]).data_ptr() for i in where],
-                             extents, written)
+            layout = seen.put(key, _overlap_layout(positional, written_names, args, outputs))
+        _check_overlap(layout, args, outputs)
         kernel(*args, **outputs)
 
     impl.__name__ = f"{name}_out_{kernel.__name__.rsplit('_', 1)[-1]}"
@@ -237,36 +247,38 @@ def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, func
     """Fakes and the CPU / CUDA kernels of one operator. ``functional_*`` replace the generic
     functional wrapper where the functional overload has arguments the kernels do not take."""
     if fake is not None:
-        impls = (functional_cpu or _functional(name, fake, cpu), functional_cuda or _functional(name, fake, cuda))
-        _lib.impl(name, impls[0], "CPU")
-        _lib.impl(name, impls[1], "CUDA")
+        _lib.impl(name, functional_cpu or _functional(name, fake, cpu), "CPU")
+        _lib.impl(name, functional_cuda or _functional(name, fake, cuda), "CUDA")
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
-        _DIRECT[name] = (_argument_kinds(name), *impls)
+        _DIRECT[name] = (_custom_direct(name, functional_cpu, functional_cuda) if functional_cpu
+                         else _functional_direct(name, fake, cpu, cuda))
         name = name + ".out"
-    impls = (_out(name, fake_out, cpu), _out(name, fake_out, cuda))
-    _lib.impl(name, impls[0], "CPU")
-    _lib.impl(name, impls[1], "CUDA")
+    _lib.impl(name, _out(name, fake_out, cpu), "CPU")
+    _lib.impl(name, _out(name, fake_out, cuda), "CUDA")
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake_out, lib=_lib)
-    _DIRECT[name] = (_argument_kinds(name), *impls)
+    _DIRECT[name] = _out_direct(name, fake_out, cpu, cuda)
 
 
 # -- eager calls of the public functions ---------------------------------------------------------------
 #
 # The PyTorch dispatcher's call into a Python kernel (argument parsing against the schema, boxing,
-# unboxing) costs several microseconds per call, more than the library's own checks and launches. The
-# public functions therefore call the registered CPU / CUDA implementation themselves when nothing the
+# unboxing) costs several microseconds per call, as much as the library's own checks. The public
+# functions therefore call the kernels themselves, through the same checks, when nothing the
 # dispatcher would do can matter: plain eager execution (not compiling, tracing, vmapping or
 # profiling; no dispatch or torch-function mode active), every tensor argument an exact
-# ``torch.Tensor`` on CPU or CUDA and no gradient wanted, every other argument of exactly its schema
-# type. The implementation is the same function the dispatcher would call (fake checks first, then
-# the kernel), so results and errors are identical. Anything else goes through
-# ``torch.ops.sparse_mla``. ``torch.ops.sparse_mla.*`` called directly always takes the dispatcher.
+# ``torch.Tensor`` on CPU or CUDA that does not require a gradient, every other argument of exactly
+# its schema type. The fake runs first, as in the registered implementations, so results and errors
+# are identical. Whether a signature qualifies is decided once and cached with the fake's verdict
+# (the classes and ``requires_grad`` of the tensors are part of that signature); the modes are
+# checked on every call. Anything else goes through ``torch.ops.sparse_mla``, which is also what
+# ``torch.ops.sparse_mla.*`` called directly, and compiled code, always use.
 
 #: Set to False to send every call of the public functions through the dispatcher (the benchmark's
 #: host-overhead table measures both).
 DIRECT_CALLS = True
-_DIRECT: dict[str, tuple] = {}  # overload ("name" or "name.out") -> (argument kinds, CPU impl, CUDA impl)
+_DIRECT: dict[str, object] = {}  # overload ("name" or "name.out") -> direct(args, outputs)
 _OVERLOADS: dict[str, object] = {}  # overload -> torch.ops.sparse_mla OpOverload
+_NOT_DIRECT = object()  # what a direct call returns when the dispatcher must take the call
 _Tensor = torch.Tensor
 _dtype = torch.dtype
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -274,7 +286,6 @@ _function_mode = torch._C._is_torch_function_mode_enabled
 _transforms = torch._C._functorch.peek_interpreter_stack
 _jit_tracing = torch._C._get_tracing_state
 _profiler = torch.autograd.profiler
-_grad_enabled = torch.is_grad_enabled
 _KINDS = {"Tensor": _Tensor, "Optional[Tensor]": None, "float": float, "int": int, "SymInt": int, "str": str,
           "Optional[ScalarType]": _dtype}
 
@@ -288,13 +299,19 @@ def _argument_kinds(overload: str) -> tuple:
     return tuple(_KINDS[str(a.real_type)] for a in op._schema.arguments if not a.kwarg_only)
 
 
-def _eager_impl(overload: str, args: tuple, outputs: dict):
-    """The implementation ``torch.ops.sparse_mla.<overload>`` would run for these arguments, when
-    calling it directly is indistinguishable from the dispatcher's call; otherwise None."""
-    if (_dispatch_modes() or _function_mode() or _transforms() is not None or _jit_tracing() is not None
-            or _profiler._is_profiler_enabled):
-        return None
-    kinds, cpu, cuda = _DIRECT[overload]
+def _direct_key(args: tuple, outputs) -> tuple:
+    """:func:`_metadata_key` plus what decides whether a call may skip the dispatcher: the class of
+    every argument and ``requires_grad`` of every tensor. Raises ``TypeError`` for an unhashable
+    argument."""
+    key = [(a.__class__, a.shape, a.stride(), a.dtype, a.get_device(), a.requires_grad) if isinstance(a, _Tensor)
+           else (a.__class__, a) for a in args]
+    for a in outputs:
+        key.append((a.__class__, a.shape, a.stride(), a.dtype, a.get_device(), a.requires_grad))
+    return tuple(key)
+
+
+def _qualifies(kinds: tuple, args: tuple, outputs: dict) -> bool | None:
+    """None when the call must go through the dispatcher; else whether it runs on CUDA."""
     if len(args) > len(kinds):
         return None
     tensors = list(outputs.values())
@@ -307,26 +324,104 @@ def _eager_impl(overload: str, args: tuple, outputs: dict):
             return None
         if cls is not kind and not (value is None and (kind is None or kind is _dtype)):
             return None
-    grad = _grad_enabled()
     on_cuda = False
     for t in tensors:
-        if t.__class__ is not _Tensor or (grad and t.requires_grad):
+        if t.__class__ is not _Tensor or t.requires_grad:
             return None
         if t.is_cuda:
             on_cuda = True
         elif not t.is_cpu:
             return None
-    return cuda if on_cuda else cpu
+    return on_cuda
+
+
+def _out_direct(name: str, fake_out, cpu, cuda):
+    """Direct call of an ``out`` overload (or of a writing operator's only overload)."""
+    seen = _Validated()  # signature -> (kernel, overlap layout), or _NOT_DIRECT
+    positional, written_names = _written_args(name)
+    kinds = _argument_kinds(name)
+
+    def direct(args, outputs):
+        try:
+            key = _direct_key(args, outputs.values())
+            entry = seen.get(key)
+        except TypeError:  # an unhashable argument, which the dispatcher rejects
+            return _NOT_DIRECT
+        if entry is None:
+            on_cuda = _qualifies(kinds, args, outputs)
+            if on_cuda is None:
+                return seen.put(key, _NOT_DIRECT)
+            fake_out(*args, **outputs)
+            entry = seen.put(key, (cuda if on_cuda else cpu, _overlap_layout(positional, written_names, args,
+                                                                                outputs)))
+        elif entry is _NOT_DIRECT:
+            return entry
+        kernel, layout = entry
+        _check_overlap(layout, args, outputs)
+        kernel(*args, **outputs)
+
+    return direct
+
+
+def _functional_direct(name: str, fake, cpu, cuda):
+    """Direct call of a functional overload: the fake's output specs are cached with the signature."""
+    seen = _Validated()  # signature -> (kernel, (shape, dtype) of each output, device), or _NOT_DIRECT
+    kinds = _argument_kinds(name)
+    names = SCHEMAS[name][2]
+
+    def direct(args, outputs):
+        try:
+            key = _direct_key(args, ())
+            entry = seen.get(key)
+        except TypeError:
+            return _NOT_DIRECT
+        if entry is None:
+            on_cuda = _qualifies(kinds, args, outputs)
+            if on_cuda is None:
+                return seen.put(key, _NOT_DIRECT)
+            kernel = cuda if on_cuda else cpu
+            result = fake(*args)
+            result = result if isinstance(result, tuple) else (result,)
+            seen.put(key, (kernel, tuple((r.shape, r.dtype) for r in result), result[0].device))
+        elif entry is _NOT_DIRECT:
+            return entry
+        else:
+            kernel, specs, device = entry
+            result = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+        kernel(*args, **dict(zip(names, result)))
+        return result if len(result) > 1 else result[0]
+
+    return direct
+
+
+def _custom_direct(name: str, impl_cpu, impl_cuda):
+    """Direct call of a functional overload with its own implementations (which run the fake)."""
+    seen = _Validated()  # signature -> implementation, or _NOT_DIRECT
+    kinds = _argument_kinds(name)
+
+    def direct(args, outputs):
+        try:
+            key = _direct_key(args, ())
+            impl = seen.get(key)
+        except TypeError:
+            return _NOT_DIRECT
+        if impl is None:
+            on_cuda = _qualifies(kinds, args, outputs)
+            impl = seen.put(key, _NOT_DIRECT if on_cuda is None else impl_cuda if on_cuda else impl_cpu)
+        return impl if impl is _NOT_DIRECT else impl(*args)
+
+    return direct
 
 
 def call(overload: str, *args, **outputs):
     """``torch.ops.sparse_mla.<overload>(*args, **outputs)``, with the dispatcher skipped for a plain
     eager call (see above). ``overload`` is ``"name"`` (the functional or only overload) or
     ``"name.out"``."""
-    if DIRECT_CALLS and not torch.compiler.is_compiling():
-        impl = _eager_impl(overload, args, outputs)
-        if impl is not None:
-            return impl(*args, **outputs)
+    if (DIRECT_CALLS and not torch.compiler.is_compiling() and not _dispatch_modes() and not _function_mode()
+            and _transforms() is None and _jit_tracing() is None and not _profiler._is_profiler_enabled):
+        result = _DIRECT[overload](args, outputs)
+        if result is not _NOT_DIRECT:
+            return result
     return _OVERLOADS[overload](*args, **outputs)
 
 
