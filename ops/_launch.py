@@ -199,10 +199,12 @@ class KernelLaunch:
     positions, integers and floats elsewhere. Only the tensors change from call to call: a call passes
     them, in the order they have in ``args``, and the planned integers and floats are reused (they
     belong to the plan's key). ``meta`` holds the constexprs, which must be the kernel's remaining
-    parameters. No tensor of ``args`` is kept.
+    parameters. No tensor of ``args`` is kept, only their dtypes: a call may pass a tensor of another
+    dtype of the same element size (a bf16 tensor where the plan was made with its int16 view), which
+    the kernel then reads as the planned dtype, without the cost of a ``view`` per call.
     """
 
-    __slots__ = ("kernel", "grid", "meta", "options", "template", "tensor_pos", "device", "compiled")
+    __slots__ = ("kernel", "grid", "meta", "options", "template", "tensor_pos", "dtypes", "device", "compiled")
 
     def __init__(self, kernel, grid, args: tuple, meta: dict, *, num_warps: int, num_stages: int | None = None,
                  device: torch.device):
@@ -213,6 +215,7 @@ class KernelLaunch:
         if num_stages is not None:
             self.options["num_stages"] = num_stages
         self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        self.dtypes = tuple(args[i].dtype for i in self.tensor_pos)
         template = [None if isinstance(a, torch.Tensor) else a for a in args]
         names = getattr(kernel, "arg_names", None)
         if names is not None:  # the shortcut passes every parameter, constexprs included, in order
@@ -227,9 +230,7 @@ class KernelLaunch:
     def __call__(self, *tensors) -> None:
         args = self.template.copy()
         if self.device is None or not _FAST:
-            for i, t in zip(self.tensor_pos, tensors):
-                args[i] = t
-            self._jit_launch(args)
+            self._jit_launch(self._with_tensors(args, tensors))
             return
         align = 0
         for i, t in zip(self.tensor_pos, tensors):
@@ -237,9 +238,7 @@ class KernelLaunch:
             align = (align << 1) | (ptr % 16 == 0)
         entry = self.compiled.get(align)
         if entry is None:
-            for i, t in zip(self.tensor_pos, tensors):
-                args[i] = t
-            compiled = self._jit_launch(args)
+            compiled = self._jit_launch(self._with_tensors(args, tensors))
             entry = _direct_launcher(compiled)
             if entry is not None:
                 self.compiled[align] = entry
@@ -254,6 +253,11 @@ class KernelLaunch:
             launch(g0, g1, g2, _raw_stream(self.device), *head, *args)
         else:
             launch(g0, g1, g2, _raw_stream(self.device), *head, *tail, args)
+
+    def _with_tensors(self, args, tensors):
+        for i, t, dtype in zip(self.tensor_pos, tensors, self.dtypes):
+            args[i] = t if t.dtype == dtype else t.view(dtype)
+        return args
 
     def _launch(self, launch, head, tail, args):
         g0, g1, g2 = self.grid

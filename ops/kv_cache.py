@@ -253,14 +253,15 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
     n = kv.shape[0]
     if n == 0:
         return
-    store = _STORE_CODES[kv_cache.dtype] if kv_format == "auto" else _STORE_F32
-    # bf16/fp16 are moved as their int16 bits (the kernels round and widen by hand, see above).
-    kv_in = _int16_view_of_bf16(kv)
-    cache = kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
     key = ("kv_cache_insert", kv.shape, kv.stride(), kv.dtype, slot_mapping.stride(0), kv_cache.shape,
            kv_cache.stride(), kv_cache.dtype, kv_format, kv.device)
     launch = _PLANS.get(key)
     if launch is None:
+        store = _STORE_CODES[kv_cache.dtype] if kv_format == "auto" else _STORE_F32
+        # bf16/fp16 are moved as their int16 bits (the kernels round and widen by hand, see above); the
+        # plan is made with the int16 views, and later calls pass the tensors themselves (KernelLaunch).
+        kv_in = _int16_view_of_bf16(kv)
+        cache = kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
         pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
         dim = kv.shape[1]
         args = (kv_in, kv.stride(0), kv.stride(1), slot_mapping, slot_mapping.stride(0),
@@ -269,7 +270,7 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
                     BLOCK_D=min(next_pow2(max(dim, 1)), 1024))
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_insert_kernel, (n,), args, meta, num_warps=4,
                                               device=kv.device))
-    launch(kv_in, slot_mapping, cache)
+    launch(kv, slot_mapping, kv_cache)
 
 
 @triton.jit
@@ -302,12 +303,12 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
     n = out.shape[0]
     if n == 0:
         return
-    store = _STORE_CODES[out.dtype]
-    out_bits = out if store == _STORE_F32 else out.view(torch.int16)
     key = ("kv_cache_gather", kv_cache.shape, kv_cache.stride(), kv_cache.dtype, slots.stride(0), slots.dtype,
            out.shape, out.stride(), out.dtype, kv_format, out.device)
     launch = _PLANS.get(key)
     if launch is None:
+        store = _STORE_CODES[out.dtype]
+        out_bits = out if store == _STORE_F32 else out.view(torch.int16)  # planned as int16, see the insert
         dim = cache_dim(kv_cache, kv_format)
         args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * kv_cache.shape[1],
                 kv_cache.shape[1], slots, slots.stride(0), out_bits, out.stride(0), out.stride(1), n)
@@ -315,4 +316,4 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
                     BLOCK_N=_GATHER_BLOCK_N)
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, _GATHER_BLOCK_N),), args, meta,
                                               num_warps=4, device=out.device))
-    launch(kv_cache, slots, out_bits)
+    launch(kv_cache, slots, out)
