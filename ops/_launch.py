@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
 
 import torch
 
@@ -192,6 +193,10 @@ def _raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
+# (thread id, list) while torch_sparse_mla._library records which launches a launcher makes (see there)
+_RECORDER: tuple | None = None
+
+
 class KernelLaunch:
     """One Triton kernel with a fixed grid, constexprs and compile options, ready to launch.
 
@@ -199,15 +204,17 @@ class KernelLaunch:
     positions, integers and floats elsewhere. Only the tensors change from call to call: a call passes
     them, in the order they have in ``args``, and the planned integers and floats are reused (they
     belong to the plan's key). ``meta`` holds the constexprs, which must be the kernel's remaining
-    parameters. No tensor of ``args`` is kept, only their dtypes: a call may pass a tensor of another
-    dtype of the same element size (a bf16 tensor where the plan was made with its int16 view), which
-    the kernel then reads as the planned dtype, without the cost of a ``view`` per call.
+    parameters. No tensor of ``args`` is kept. With ``reinterpret=True`` their dtypes are: a call may
+    then pass a tensor of another dtype of the same element size (a bf16 tensor where the plan was
+    made with its int16 view), which the kernel reads as the planned dtype, without the cost of a
+    ``view`` per call. Without it, the tensors of ``args`` may be placeholders (``out`` standing in
+    for an absent optional tensor) and every call's tensors are passed as they are.
     """
 
     __slots__ = ("kernel", "grid", "meta", "options", "template", "tensor_pos", "dtypes", "device", "compiled")
 
     def __init__(self, kernel, grid, args: tuple, meta: dict, *, num_warps: int, num_stages: int | None = None,
-                 device: torch.device):
+                 device: torch.device, reinterpret: bool = False):
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.meta = meta
@@ -215,7 +222,7 @@ class KernelLaunch:
         if num_stages is not None:
             self.options["num_stages"] = num_stages
         self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
-        self.dtypes = tuple(args[i].dtype for i in self.tensor_pos)
+        self.dtypes = tuple(args[i].dtype for i in self.tensor_pos) if reinterpret else None
         template = [None if isinstance(a, torch.Tensor) else a for a in args]
         names = getattr(kernel, "arg_names", None)
         if names is not None:  # the shortcut passes every parameter, constexprs included, in order
@@ -228,6 +235,8 @@ class KernelLaunch:
         self.compiled = {}
 
     def __call__(self, *tensors) -> None:
+        if _RECORDER is not None and _RECORDER[0] == threading.get_ident():
+            _RECORDER[1].append((self, tensors))
         args = self.template.copy()
         if self.device is None or not _FAST:
             self._jit_launch(self._with_tensors(args, tensors))
@@ -255,8 +264,12 @@ class KernelLaunch:
             launch(g0, g1, g2, _raw_stream(self.device), *head, *tail, args)
 
     def _with_tensors(self, args, tensors):
-        for i, t, dtype in zip(self.tensor_pos, tensors, self.dtypes):
-            args[i] = t if t.dtype == dtype else t.view(dtype)
+        if self.dtypes is None:
+            for i, t in zip(self.tensor_pos, tensors):
+                args[i] = t
+        else:
+            for i, t, dtype in zip(self.tensor_pos, tensors, self.dtypes):
+                args[i] = t if t.dtype == dtype else t.view(dtype)
         return args
 
     def _launch(self, launch, head, tail, args):

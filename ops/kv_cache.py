@@ -269,7 +269,7 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
         meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16, STORE_DTYPE=store,
                     BLOCK_D=min(next_pow2(max(dim, 1)), 1024))
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_insert_kernel, (n,), args, meta, num_warps=4,
-                                              device=kv.device))
+                                              device=kv.device, reinterpret=True))
     launch(kv, slot_mapping, kv_cache)
 
 
@@ -315,5 +315,5 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
         meta = dict(DIM=dim, CHUNK=min(64, next_pow2(dim)), KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store,
                     BLOCK_N=_GATHER_BLOCK_N)
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, _GATHER_BLOCK_N),), args, meta,
-                                              num_warps=4, device=out.device))
+                                              num_warps=4, device=out.device, reinterpret=True))
     launch(kv_cache, slots, out)

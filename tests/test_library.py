@@ -212,3 +212,39 @@ def test_launch_shortcut_matches_triton_launch():
     if _launch._FAST:
         (entry,) = launch.compiled.values()
         assert type(entry[0]).__name__ == "builtin_function_or_method"
+
+
+@requires_cuda
+def test_direct_calls_replay_recorded_launches():
+    """On the GPU, a signature's second and later direct calls replay the launches recorded on its
+    first call (no launcher, no plan lookup); every call matches the dispatcher path, with new data
+    each time, for functional and out overloads and for a writing operator."""
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.empty(4, 4, dtype=torch.int32, device="cuda")
+    lens = torch.empty(4, dtype=torch.int32, device="cuda")
+    cache = torch.zeros(8, 64, 656, dtype=torch.uint8, device="cuda")
+    cache_ops = torch.zeros_like(cache)
+    for step in range(4):
+        positions = torch.randint(0, 12, (4,), generator=gen).cuda()
+        token_to_req = torch.randint(0, 2, (4,), generator=gen, dtype=torch.int32).cuda()
+        block_table = torch.randint(-1, 6, (2, 3), generator=gen, dtype=torch.int32).cuda()
+        slot_mapping = torch.randint(-1, 9, (4,), generator=gen).cuda()
+        args = (positions, token_to_req, block_table, slot_mapping)
+        want = torch.ops.sparse_mla.swa_indices(*args, 4, 2)
+        got = tsm.swa_indices(*args, window=4, block_size=2)
+        tsm.swa_indices(*args, window=4, block_size=2, out=(idx, lens))
+        for a, b, c in zip(want, got, (idx, lens)):
+            torch.testing.assert_close(b, a, rtol=0, atol=0)
+            torch.testing.assert_close(c, a, rtol=0, atol=0)
+        kv = torch.randn(3, 576, generator=gen).to(torch.bfloat16).cuda()
+        slots = torch.randperm(8 * 64, generator=gen)[:3].cuda()
+        tsm.kv_cache_insert(kv, slots, cache, kv_format="fp8_656")
+        torch.ops.sparse_mla.kv_cache_insert(kv, slots, cache_ops, "fp8_656")
+        assert torch.equal(cache, cache_ops)
+        got = tsm.kv_cache_gather(cache, slots, kv_format="fp8_656")
+        torch.testing.assert_close(got, torch.ops.sparse_mla.kv_cache_gather(cache, slots, "fp8_656"), rtol=0, atol=0)
+    # each signature has its recorded launches
+    for overload in ("swa_indices", "swa_indices.out", "kv_cache_insert", "kv_cache_gather"):
+        seen = next(c.cell_contents for c in _library._DIRECT[overload].__closure__
+                    if isinstance(c.cell_contents, dict))
+        assert any(isinstance(e, tuple) and e[-1] for e in seen.values()), overload

@@ -21,6 +21,9 @@ overloads.
 
 from __future__ import annotations
 
+import operator
+import threading
+
 import torch
 
 try:
@@ -33,6 +36,7 @@ try:
     from .ops import metadata as metadata_ops
     from .ops import sparse_gqa as sparse_gqa_ops
     from .ops import sparse_mla as sparse_mla_ops
+    from .ops import _launch
 except ModuleNotFoundError as exc:  # a source checkout imported without installation
     if exc.name not in ("torch_sparse_mla.ops", "torch_sparse_mla.meta_kernels"):
         raise
@@ -335,9 +339,40 @@ def _qualifies(kinds: tuple, args: tuple, outputs: dict) -> bool | None:
     return on_cuda
 
 
+def _record(kernel, args: tuple, outputs: dict):
+    """Run a CUDA launcher and return its launches as ``((KernelLaunch, getter), ...)``, where
+    ``getter(tensors)`` picks that launch's tensors from ``(*args, *outputs.values())`` of a later
+    call; or None (after the same run) when a launch received a tensor that is not exactly one of the
+    call's own (a workspace, a view, an argument passed twice).
+
+    A later call with the same signature replays these launches without the launcher: CUDA launchers
+    read only metadata, so the same signature makes the same launches with the same arguments, and
+    their only effect is those launches (their KernelLaunch objects stay valid when the launchers'
+    plan caches evict them). This saves the launcher's own plan lookup on every eager call."""
+    launches = []
+    _launch._RECORDER = (threading.get_ident(), launches)
+    try:
+        kernel(*args, **outputs)
+    finally:
+        _launch._RECORDER = None
+    pool = (*args, *outputs.values())
+    plan = []
+    for launch, tensors in launches:
+        where = []
+        for t in tensors:
+            hits = [i for i, p in enumerate(pool) if p is t]
+            if len(hits) != 1:
+                return None
+            where.append(hits[0])
+        getter = operator.itemgetter(*where) if len(where) > 1 else (lambda pool, i=where[0]: (pool[i],))
+        plan.append((launch, getter))
+    return tuple(plan)
+
+
 def _out_direct(name: str, fake_out, cpu, cuda):
-    """Direct call of an ``out`` overload (or of a writing operator's only overload)."""
-    seen = _Validated()  # signature -> (kernel, overlap layout), or _NOT_DIRECT
+    """Direct call of an ``out`` overload (or of a writing operator's only overload). The public
+    functions pass the outputs in schema order, so the signature need not name them."""
+    seen = _Validated()  # signature -> (kernel, overlap layout, recorded launches or None), or _NOT_DIRECT
     positional, written_names = _written_args(name)
     kinds = _argument_kinds(name)
 
@@ -352,20 +387,31 @@ def _out_direct(name: str, fake_out, cpu, cuda):
             if on_cuda is None:
                 return seen.put(key, _NOT_DIRECT)
             fake_out(*args, **outputs)
-            entry = seen.put(key, (cuda if on_cuda else cpu, _overlap_layout(positional, written_names, args,
-                                                                                outputs)))
-        elif entry is _NOT_DIRECT:
+            layout = _overlap_layout(positional, written_names, args, outputs)
+            _check_overlap(layout, args, outputs)
+            if on_cuda:
+                seen.put(key, (cuda, layout, _record(cuda, args, outputs)))
+            else:
+                cpu(*args, **outputs)
+                seen.put(key, (cpu, layout, None))
+            return None
+        if entry is _NOT_DIRECT:
             return entry
-        kernel, layout = entry
+        kernel, layout, launches = entry
         _check_overlap(layout, args, outputs)
-        kernel(*args, **outputs)
+        if launches is None:
+            kernel(*args, **outputs)
+        else:
+            pool = (*args, *outputs.values())
+            for launch, getter in launches:
+                launch(*getter(pool))
 
     return direct
 
 
 def _functional_direct(name: str, fake, cpu, cuda):
     """Direct call of a functional overload: the fake's output specs are cached with the signature."""
-    seen = _Validated()  # signature -> (kernel, (shape, dtype) of each output, device), or _NOT_DIRECT
+    seen = _Validated()  # signature -> (kernel, (shape, dtype) of each output, device, launches), or _NOT_DIRECT
     kinds = _argument_kinds(name)
     names = SCHEMAS[name][2]
 
@@ -379,16 +425,26 @@ def _functional_direct(name: str, fake, cpu, cuda):
             on_cuda = _qualifies(kinds, args, outputs)
             if on_cuda is None:
                 return seen.put(key, _NOT_DIRECT)
-            kernel = cuda if on_cuda else cpu
             result = fake(*args)
             result = result if isinstance(result, tuple) else (result,)
-            seen.put(key, (kernel, tuple((r.shape, r.dtype) for r in result), result[0].device))
-        elif entry is _NOT_DIRECT:
+            specs = tuple((r.shape, r.dtype) for r in result)
+            if on_cuda:
+                launches = _record(cuda, args, dict(zip(names, result)))
+                seen.put(key, (cuda, specs, result[0].device, launches))
+            else:
+                cpu(*args, **dict(zip(names, result)))
+                seen.put(key, (cpu, specs, result[0].device, None))
+            return result if len(result) > 1 else result[0]
+        if entry is _NOT_DIRECT:
             return entry
+        kernel, specs, device, launches = entry
+        result = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+        if launches is None:
+            kernel(*args, **dict(zip(names, result)))
         else:
-            kernel, specs, device = entry
-            result = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
-        kernel(*args, **dict(zip(names, result)))
+            pool = (*args, *result)
+            for launch, getter in launches:
+                launch(*getter(pool))
         return result if len(result) > 1 else result[0]
 
     return direct
