@@ -17,6 +17,9 @@ arguments with the schema's defaults (the dispatcher drops trailing arguments le
 and the outputs as keyword arguments. Registration uses ``torch.library.Library.define``/``impl``
 rather than ``custom_op``: it is cheaper per eager call and it is the route that allows the ``out``
 overloads.
+
+The public functions reach these implementations through :func:`call`, which skips the dispatcher
+in a plain eager call (see "eager calls of the public functions" below).
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 Each function calls the registered operator ``torch.ops.sparse_mla.<name>``: the functional overload
 by default, the ``.out`` overload when output buffers are given (the form to use inside a captured
-CUDA graph, where addresses must stay fixed). All of them are CUDA-graph safe: the CUDA kernels never
+CUDA graph, where addresses must stay fixed). A plain eager call skips the dispatcher and runs the
+same checks and kernels directly (``torch_sparse_mla._library.call``, docs/integration.md). All of them are CUDA-graph safe: the CUDA kernels never
 synchronise, never read a value on the host and allocate nothing whose size depends on values.
 """
 
