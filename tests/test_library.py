@@ -131,6 +131,11 @@ def test_dispatcher_is_used_where_it_can_be_observed(dispatched):
     tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.125, head_dim_v=32)
     assert dispatched[-1] == "sparse_mla_decode"
     q = q.detach()
+    # an unhashable argument: the dispatcher's own error
+    with pytest.raises(RuntimeError):
+        tsm.swa_indices(*args, window=[4], block_size=2)
+    assert dispatched[-1] == "swa_indices"
+    del dispatched[-1]
     o_int, _ = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=1, head_dim_v=32)
     assert len(dispatched) == 6
     o_float, _ = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=1.0, head_dim_v=32)

@@ -372,6 +372,21 @@ def _record(kernel, args: tuple, outputs: dict):
     return tuple(plan)
 
 
+def _replay(launches, pool: tuple) -> None:
+    for launch, getter in launches:
+        launch(*getter(pool))
+
+
+def _lookup(seen: "_Validated", args: tuple, outputs) -> tuple:
+    """``(signature, its cached entry or None)``; ``(None, _NOT_DIRECT)`` for an unhashable argument,
+    which only the dispatcher can reject properly."""
+    try:
+        key = _direct_key(args, outputs)
+        return key, seen.get(key)
+    except TypeError:
+        return None, _NOT_DIRECT
+
+
 def _out_direct(name: str, fake_out, cpu, cuda):
     """Direct call of an ``out`` overload (or of a writing operator's only overload). The public
     functions pass the outputs in schema order, so the signature need not name them."""
@@ -380,11 +395,7 @@ def _out_direct(name: str, fake_out, cpu, cuda):
     kinds = _argument_kinds(name)
 
     def direct(args, outputs):
-        try:
-            key = _direct_key(args, outputs.values())
-            entry = seen.get(key)
-        except TypeError:  # an unhashable argument, which the dispatcher rejects
-            return _NOT_DIRECT
+        key, entry = _lookup(seen, args, outputs.values())
         if entry is None:
             on_cuda = _qualifies(kinds, args, outputs)
             if on_cuda is None:
@@ -405,9 +416,7 @@ def _out_direct(name: str, fake_out, cpu, cuda):
         if launches is None:
             kernel(*args, **outputs)
         else:
-            pool = (*args, *outputs.values())
-            for launch, getter in launches:
-                launch(*getter(pool))
+            _replay(launches, (*args, *outputs.values()))
 
     return direct
 
@@ -419,11 +428,7 @@ def _functional_direct(name: str, fake, cpu, cuda):
     names = SCHEMAS[name][2]
 
     def direct(args, outputs):
-        try:
-            key = _direct_key(args, ())
-            entry = seen.get(key)
-        except TypeError:
-            return _NOT_DIRECT
+        key, entry = _lookup(seen, args, ())
         if entry is None:
             on_cuda = _qualifies(kinds, args, outputs)
             if on_cuda is None:
@@ -445,9 +450,7 @@ def _functional_direct(name: str, fake, cpu, cuda):
         if launches is None:
             kernel(*args, **dict(zip(names, result)))
         else:
-            pool = (*args, *result)
-            for launch, getter in launches:
-                launch(*getter(pool))
+            _replay(launches, (*args, *result))
         return result if len(result) > 1 else result[0]
 
     return direct
@@ -459,11 +462,7 @@ def _custom_direct(name: str, impl_cpu, impl_cuda):
     kinds = _argument_kinds(name)
 
     def direct(args, outputs):
-        try:
-            key = _direct_key(args, ())
-            impl = seen.get(key)
-        except TypeError:
-            return _NOT_DIRECT
+        key, impl = _lookup(seen, args, ())
         if impl is None:
             on_cuda = _qualifies(kinds, args, outputs)
             impl = seen.put(key, _NOT_DIRECT if on_cuda is None else impl_cuda if on_cuda else impl_cpu)
