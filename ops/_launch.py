@@ -252,16 +252,11 @@ class KernelLaunch:
             if entry is not None:
                 self.compiled[align] = entry
             return
-        launch, head, tail = entry
-        g0, g1, g2 = self.grid
-        if _get_device() != self.device:
-            with torch.cuda.device(self.device):
-                self._launch(launch, head, tail, args)
-            return
-        if tail is None:
-            launch(g0, g1, g2, _raw_stream(self.device), *head, *args)
+        if _get_device() == self.device:
+            self._launch(entry, args)
         else:
-            launch(g0, g1, g2, _raw_stream(self.device), *head, *tail, args)
+            with torch.cuda.device(self.device):
+                self._launch(entry, args)
 
     def _with_tensors(self, args, tensors):
         if self.dtypes is None:
@@ -272,7 +267,8 @@ class KernelLaunch:
                 args[i] = t if t.dtype == dtype else t.view(dtype)
         return args
 
-    def _launch(self, launch, head, tail, args):
+    def _launch(self, entry, args):
+        launch, head, tail = entry
         g0, g1, g2 = self.grid
         if tail is None:
             launch(g0, g1, g2, _raw_stream(self.device), *head, *args)

@@ -198,6 +198,32 @@ def test_direct_launcher_conventions(monkeypatch):
     assert _launch._direct_launcher(object()) is None
 
 
+def test_launch_shortcut_call_form(monkeypatch):
+    """The shortcut's call of a recorded launch function, without a GPU: device addresses in the
+    tensor positions, the planned scalars and constexprs elsewhere, in each convention's order."""
+    from torch_sparse_mla.ops import metadata as metadata_ops
+
+    if not _launch.HAS_TRITON:
+        pytest.skip("needs triton")
+    calls = []
+    monkeypatch.setattr(_launch, "_FAST", True)
+    monkeypatch.setattr(_launch, "_get_device", lambda: 0)
+    monkeypatch.setattr(_launch, "_raw_stream", lambda index: 77)
+    a, b = torch.zeros(4, dtype=torch.int32), torch.zeros(3, dtype=torch.int32)
+    launch = _launch.KernelLaunch(metadata_ops._decode_runtime_metadata_kernel, (2,), (a, 5, b, 6, a, 7, 9, 10),
+                                  {"BLOCK": 128}, num_warps=4, device=torch.device("cuda", 0))
+    align = 0
+    for t in (a, b, a):
+        align = (align << 1) | (t.data_ptr() % 16 == 0)
+    want = [a.data_ptr(), 5, b.data_ptr(), 6, a.data_ptr(), 7, 9, 10, 128]
+    launch.compiled[align] = (lambda *args: calls.append(args), ("fn", "head"), None)
+    launch(a, b, a)
+    assert calls[-1] == (2, 1, 1, 77, "fn", "head", *want)
+    launch.compiled[align] = (lambda *args: calls.append(args), ("fn",), ("ann", "sig"))
+    launch(a, b, a)
+    assert calls[-1] == (2, 1, 1, 77, "fn", "ann", "sig", want)
+
+
 @requires_cuda
 def test_launch_shortcut_matches_triton_launch():
     """On the GPU: the second call of a planned launch takes the shortcut (when this Triton version
