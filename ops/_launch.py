@@ -193,8 +193,9 @@ def _raw_stream(index: int) -> int:
     return torch._C._cuda_getCurrentRawStream(index)
 
 
-# (thread id, list) while torch_sparse_mla._library records which launches a launcher makes (see there)
-_RECORDER: tuple | None = None
+# thread id -> list of (KernelLaunch, tensors) while torch_sparse_mla._library records which launches a
+# launcher makes in that thread (see there); empty otherwise
+RECORDERS: dict[int, list] = {}
 
 
 class KernelLaunch:
@@ -235,8 +236,10 @@ class KernelLaunch:
         self.compiled = {}
 
     def __call__(self, *tensors) -> None:
-        if _RECORDER is not None and _RECORDER[0] == threading.get_ident():
-            _RECORDER[1].append((self, tensors))
+        if RECORDERS:
+            recorder = RECORDERS.get(threading.get_ident())
+            if recorder is not None:
+                recorder.append((self, tensors))
         args = self.template.copy()
         if self.device is None or not _FAST:
             self._jit_launch(self._with_tensors(args, tensors))

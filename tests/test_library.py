@@ -224,6 +224,69 @@ def test_launch_shortcut_call_form(monkeypatch):
     assert calls[-1] == (2, 1, 1, 77, "fn", "ann", "sig", want)
 
 
+def test_recorded_launches(monkeypatch):
+    """What a record keeps: each launch with the positions of its tensors among the call's own; no
+    record when a launch got another tensor or an argument passed twice; records of two threads kept
+    apart; no record nested in another."""
+    import threading
+
+    from torch_sparse_mla.ops import metadata as metadata_ops
+
+    calls = {}  # KernelLaunch -> the tensors of each of its launches (Triton's launch replaced)
+    monkeypatch.setattr(_launch, "_FAST", False)
+    monkeypatch.setattr(_launch.KernelLaunch, "_jit_launch",
+                        lambda self, args: calls.setdefault(self, []).append([args[i] for i in self.tensor_pos]))
+
+    def Launch():
+        x = torch.zeros(1, dtype=torch.int32)
+        return _launch.KernelLaunch(metadata_ops._decode_runtime_metadata_kernel, (1,), (x, 1, x, 1, x, 1, 1, 1),
+                                    {"BLOCK": 128}, num_warps=4, device=torch.device("cpu"))
+
+    first, second = Launch(), Launch()
+    a, b, c = torch.zeros(2), torch.zeros(3), torch.zeros(4)
+
+    def launcher(x, y, *, out):
+        first(x, out, out)
+        second(y, x, out)
+
+    plan = _library._record(launcher, (a, b), {"out": c})
+    assert [launch for launch, _ in plan] == [first, second]
+    a2, b2, c2 = torch.ones(2), torch.ones(3), torch.ones(4)
+    _library._replay(plan, (a2, b2, c2))
+    assert all(x is y for x, y in zip(calls[first][-1], (a2, c2, c2)))
+    assert all(x is y for x, y in zip(calls[second][-1], (b2, a2, c2)))
+    # a workspace of the launcher's own, or one object passed as two arguments: no record
+    assert _library._record(lambda x, y, *, out: first(x, torch.zeros(1), out), (a, b), {"out": c}) is None
+    assert _library._record(launcher, (a, a), {"out": c}) is None
+    # a record inside a record (same thread) runs without recording; the outer one keeps all launches
+    def outer(x, y, *, out):
+        first(x, out, out)
+        assert _library._record(launcher, (x, y), {"out": out}) is None
+        second(y, x, out)
+
+    plan = _library._record(outer, (a, b), {"out": c})
+    assert [launch for launch, _ in plan] == [first, first, second, second]
+    # two threads record at the same time: each keeps its own launches
+    started, release = threading.Event(), threading.Event()
+    result = {}
+
+    def slow(x, y, *, out):
+        first(x, out, out)
+        started.set()
+        release.wait(10)
+        second(y, x, out)
+
+    worker = threading.Thread(target=lambda: result.update(plan=_library._record(slow, (a, b), {"out": c})))
+    worker.start()
+    assert started.wait(10)
+    mine = _library._record(lambda x, y, *, out: second(y, x, out), (a, b), {"out": c})
+    release.set()
+    worker.join(10)
+    assert [launch for launch, _ in mine] == [second]
+    assert [launch for launch, _ in result["plan"]] == [first, second]
+    assert not _launch.RECORDERS
+
+
 @requires_cuda
 def test_launch_shortcut_matches_triton_launch():
     """On the GPU: the second call of a planned launch takes the shortcut (when this Triton version

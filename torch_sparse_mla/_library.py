@@ -352,12 +352,15 @@ def _record(kernel, args: tuple, outputs: dict):
     read only metadata, so the same signature makes the same launches with the same arguments, and
     their only effect is those launches (their KernelLaunch objects stay valid when the launchers'
     plan caches evict them). This saves the launcher's own plan lookup on every eager call."""
-    launches = []
-    _launch._RECORDER = (threading.get_ident(), launches)
+    thread = threading.get_ident()
+    if thread in _launch.RECORDERS:  # already recording in this thread: never interleave two records
+        kernel(*args, **outputs)
+        return None
+    launches = _launch.RECORDERS[thread] = []
     try:
         kernel(*args, **outputs)
     finally:
-        _launch._RECORDER = None
+        del _launch.RECORDERS[thread]
     pool = (*args, *outputs.values())
     plan = []
     for launch, tensors in launches:
