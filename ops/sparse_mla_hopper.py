@@ -482,6 +482,7 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer(
+        q_ptr, stride_qt, stride_qh, stride_qd,
         qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem, stat_smem, p_ready, p_free,
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         sink_ptr, stride_sink,
@@ -492,11 +493,15 @@ if HAS_GLUON:
         FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
     ):
-        """First consumer: ``Q K^T``, the softmax, the hand-off of P, and output dims 0..255 (and lse)."""
+        """First consumer: stages Q, then ``Q K^T``, the softmax, the hand-off of P, and output dims
+        0..255 (and lse). Q is its own operand only, so it is loaded here, while the producer already
+        fetches the first block's slot ids and rows."""
         pid = gl.program_id(0)
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
+        _cta_barrier()  # every warp's part of Q is stored (and fenced) before any warp's first MMA
         # One softmax step per ring stage. (fp8_656's scale folding keeps one more [64, 64] float32 tile
         # live and spills a little; steps of 32 keys avoid that but measured 10-20% slower on an H200.)
         # It must stay one step per stage: the P hand-off's barrier parities count blocks.
@@ -618,19 +623,28 @@ if HAS_GLUON:
 
     @gluon.jit
     def _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D: gl.constexpr):
-        """Stage this CTA's 64 query rows (zeros past ``num_heads``) in shared memory, once."""
+        """Stage this CTA's 64 query rows (zeros past ``num_heads``) in shared memory, once. The loads
+        go out in two batches of four (and the rope) 64-column chunks, so their latencies overlap."""
         G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
         heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, G16))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
         # int64 offsets: a permuted q's strides can make col * stride pass 2^31 (docs/operators.md)
         col_offs = cols.to(gl.int64)[None, :] * stride_qd
-        rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh
+        chunk = 64 * gl.cast(stride_qd, gl.int64)
+        rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh + col_offs
         ok = (heads < num_heads)[:, None]
-        for c in gl.static_range(8):
-            qn.slice(64 * c, 64, dim=1).store(gl.load(rows + col_offs + (64 * c) * gl.cast(stride_qd, gl.int64), mask=ok,
-                                                      other=0.0))
-        if D == 576:
-            qr.store(gl.load(rows + col_offs + 512 * gl.cast(stride_qd, gl.int64), mask=ok, other=0.0))
+        for half in gl.static_range(2):
+            c0 = rows + (4 * half) * chunk
+            x0 = gl.load(c0, mask=ok, other=0.0)
+            x1 = gl.load(c0 + chunk, mask=ok, other=0.0)
+            x2 = gl.load(c0 + 2 * chunk, mask=ok, other=0.0)
+            x3 = gl.load(c0 + 3 * chunk, mask=ok, other=0.0)
+            if half == 1 and D == 576:
+                qr.store(gl.load(rows + 8 * chunk, mask=ok, other=0.0))
+            qn.slice(256 * half, 64, dim=1).store(x0)
+            qn.slice(256 * half + 64, 64, dim=1).store(x1)
+            qn.slice(256 * half + 128, 64, dim=1).store(x2)
+            qn.slice(256 * half + 192, 64, dim=1).store(x3)
         fence_async_shared()
 
     # The list widths are never specialised: Triton turns an integer argument equal to 1 into a
@@ -679,12 +693,10 @@ if HAS_GLUON:
             mbarrier.init(empty.index(s), count=2)  # the two consumer partitions
         mbarrier.init(p_ready, count=1)  # the first consumer: P (or the final statistics) stored
         mbarrier.init(p_free, count=1)  # the second consumer: done with P
-        pid = gl.program_id(0)
-        hb = pid % num_head_blocks
-        t = (pid // num_head_blocks // num_splits).to(gl.int64)
-        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
+        fence_async_shared()
         gl.warp_specialize(
-            [(_consumer, (qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem, stat_smem, p_ready, p_free,
+            [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd,
+                          qn, qr, knope, krope, scales, valid_smem, ready, empty, p_smem, stat_smem, p_ready, p_free,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,

@@ -309,36 +309,49 @@ def test_launch_shortcut_matches_triton_launch():
 
 
 @requires_cuda
-def test_direct_calls_replay_recorded_launches():
-    """On the GPU, a signature's second and later direct calls replay the launches recorded on its
-    first call (no launcher, no plan lookup); every call matches the dispatcher path, with new data
-    each time, for functional and out overloads and for a writing operator."""
+def test_recorded_launches_replay_on_both_paths():
+    """On the GPU, a signature's second and later calls replay the launches recorded on its first call
+    (no launcher, no plan lookup), on the public functions' direct path and in the implementations
+    registered for CUDA (what ``torch.ops.sparse_mla`` and compiled code call). Every call matches the
+    CPU kernels, with new data each time, for functional and out overloads and for a writing operator."""
     gen = torch.Generator().manual_seed(0)
     idx = torch.empty(4, 4, dtype=torch.int32, device="cuda")
     lens = torch.empty(4, dtype=torch.int32, device="cuda")
+    idx_ops, lens_ops = torch.empty_like(idx), torch.empty_like(lens)
     cache = torch.zeros(8, 64, 656, dtype=torch.uint8, device="cuda")
     cache_ops = torch.zeros_like(cache)
+    cache_cpu = torch.zeros_like(cache, device="cpu")
     for step in range(4):
-        positions = torch.randint(0, 12, (4,), generator=gen).cuda()
-        token_to_req = torch.randint(0, 2, (4,), generator=gen, dtype=torch.int32).cuda()
-        block_table = torch.randint(-1, 6, (2, 3), generator=gen, dtype=torch.int32).cuda()
-        slot_mapping = torch.randint(-1, 9, (4,), generator=gen).cuda()
-        args = (positions, token_to_req, block_table, slot_mapping)
-        want = torch.ops.sparse_mla.swa_indices(*args, 4, 2)
-        got = tsm.swa_indices(*args, window=4, block_size=2)
+        positions = torch.randint(0, 12, (4,), generator=gen)
+        token_to_req = torch.randint(0, 2, (4,), generator=gen, dtype=torch.int32)
+        block_table = torch.randint(-1, 6, (2, 3), generator=gen, dtype=torch.int32)
+        slot_mapping = torch.randint(-1, 9, (4,), generator=gen)
+        cpu_args = (positions, token_to_req, block_table, slot_mapping)
+        args = tuple(a.cuda() for a in cpu_args)
+        want = torch.ops.sparse_mla.swa_indices(*cpu_args, 4, 2)
+        got = [tsm.swa_indices(*args, window=4, block_size=2), torch.ops.sparse_mla.swa_indices(*args, 4, 2)]
         tsm.swa_indices(*args, window=4, block_size=2, out=(idx, lens))
-        for a, b, c in zip(want, got, (idx, lens)):
-            torch.testing.assert_close(b, a, rtol=0, atol=0)
-            torch.testing.assert_close(c, a, rtol=0, atol=0)
-        kv = torch.randn(3, 576, generator=gen).to(torch.bfloat16).cuda()
-        slots = torch.randperm(8 * 64, generator=gen)[:3].cuda()
-        tsm.kv_cache_insert(kv, slots, cache, kv_format="fp8_656")
-        torch.ops.sparse_mla.kv_cache_insert(kv, slots, cache_ops, "fp8_656")
-        assert torch.equal(cache, cache_ops)
-        got = tsm.kv_cache_gather(cache, slots, kv_format="fp8_656")
-        torch.testing.assert_close(got, torch.ops.sparse_mla.kv_cache_gather(cache, slots, "fp8_656"), rtol=0, atol=0)
-    # each signature has its recorded launches
+        torch.ops.sparse_mla.swa_indices.out(*args, 4, 2, indices=idx_ops, lens=lens_ops)
+        for result in (*got, (idx, lens), (idx_ops, lens_ops)):
+            for a, b in zip(want, result):
+                torch.testing.assert_close(b.cpu(), a, rtol=0, atol=0)
+        kv = torch.randn(3, 576, generator=gen).to(torch.bfloat16)
+        slots = torch.randperm(8 * 64, generator=gen)[:3]
+        torch.ops.sparse_mla.kv_cache_insert(kv, slots, cache_cpu, "fp8_656")
+        tsm.kv_cache_insert(kv.cuda(), slots.cuda(), cache, kv_format="fp8_656")
+        torch.ops.sparse_mla.kv_cache_insert(kv.cuda(), slots.cuda(), cache_ops, "fp8_656")
+        assert torch.equal(cache.cpu(), cache_cpu) and torch.equal(cache_ops.cpu(), cache_cpu)
+        want = torch.ops.sparse_mla.kv_cache_gather(cache_cpu, slots, "fp8_656")
+        for got in (tsm.kv_cache_gather(cache, slots.cuda(), kv_format="fp8_656"),
+                    torch.ops.sparse_mla.kv_cache_gather(cache, slots.cuda(), "fp8_656")):
+            torch.testing.assert_close(got.cpu(), want, rtol=0, atol=0)
+
+    def recorded(fn, nested=False):
+        """Whether a cached entry of ``fn`` holds recorded launches (the direct path of a functional
+        overload keeps them inside its reuse tuple)."""
+        seen = next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, dict))
+        return any((e[-1][-1] if nested else e[-1]) for e in seen.values() if isinstance(e, tuple))
+
     for overload in ("swa_indices", "swa_indices.out", "kv_cache_insert", "kv_cache_gather"):
-        seen = next(c.cell_contents for c in _library._DIRECT[overload].__closure__
-                    if isinstance(c.cell_contents, dict))
-        assert any(isinstance(e, tuple) and e[-1] for e in seen.values()), overload
+        assert recorded(_library._DIRECT[overload], nested="." not in overload and overload != "kv_cache_insert"), overload
+        assert recorded(_library.IMPLS[overload, "CUDA"]), overload

@@ -402,6 +402,10 @@ _INTERP = [
     (Spec(kv_format="auto", T=2, H=3, K=20, dim=96, head_dim_v=64, K2=5, dtype=torch.float16), 2),
     (Spec(kv_format="fp8_656", T=2, H=16, K=64, dtype=torch.float16, head_dim_v=448), None),
     (Spec(kv_format="fp8_584", T=2, H=16, K=64, dtype=torch.float16, head_dim_v=256, scale=0.3), None),
+    # more splits than the combine loads at once (16), some of them without a candidate, and output dims
+    # that end inside the combine's last 64-dim tile
+    (Spec(kv_format="auto", T=2, H=5, K=100, dim=96, head_dim_v=80, dtype=torch.float16, lengths=True,
+          sink="finite", empty_row=True), 19),
 ]
 
 

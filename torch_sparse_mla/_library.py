@@ -179,22 +179,48 @@ class _Validated(dict):
         return value
 
 
-def _functional(name: str, fake, kernel):
-    """The real functional overload: ``fake`` checks and allocates, ``kernel`` fills the outputs."""
-    outputs = SCHEMAS[name][2]
-    seen = _Validated()  # signature -> (shape, dtype) of each output
+def _functional_first(fake, kernel, on_cuda: bool, names: tuple, args: tuple):
+    """First call of a functional overload's signature: the fake checks and allocates, the kernel fills
+    the outputs (its launches recorded on CUDA). Returns the outputs and what later calls reuse:
+    ``(specs, device, launches)``."""
+    result = fake(*args)
+    result = result if isinstance(result, tuple) else (result,)
+    named = dict(zip(names, result))
+    launches = None
+    if on_cuda:
+        launches = _record(kernel, args, named)
+    else:
+        kernel(*args, **named)
+    return result, (tuple((r.shape, r.dtype) for r in result), result[0].device, launches)
+
+
+def _functional_again(kernel, names: tuple, reuse: tuple, args: tuple) -> tuple:
+    """A later call of a known signature: new outputs of the cached specs, then the kernel's recorded
+    launches (or the kernel)."""
+    specs, device, launches = reuse
+    result = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+    if launches is None:
+        kernel(*args, **dict(zip(names, result)))
+    else:
+        _replay(launches, (*args, *result))
+    return result
+
+
+def _functional(name: str, fake, kernel, on_cuda: bool):
+    """The real functional overload: ``fake`` checks and allocates, ``kernel`` fills the outputs. On
+    CUDA the first call of a signature records the kernel's launches and later calls replay them
+    (:func:`_record`)."""
+    names = SCHEMAS[name][2]
+    seen = _Validated()  # signature -> (specs, device, launches) of _functional_first
 
     def impl(*args):
         key = _metadata_key(args)
-        specs = seen.get(key)
-        if specs is None:
-            result = fake(*args)
-            result = result if isinstance(result, tuple) else (result,)
-            seen.put(key, tuple((r.shape, r.dtype) for r in result))
+        reuse = seen.get(key)
+        if reuse is None:
+            result, reuse = _functional_first(fake, kernel, on_cuda, names, args)
+            seen.put(key, reuse)
         else:
-            device = args[0].device
-            result = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
-        kernel(*args, **dict(zip(outputs, result)))
+            result = _functional_again(kernel, names, reuse, args)
         return result if len(result) > 1 else result[0]
 
     impl.__name__ = f"{name}_{kernel.__name__.rsplit('_', 1)[-1]}"
@@ -228,40 +254,70 @@ def _check_overlap(layout, args, outputs) -> None:
                          extents, written)
 
 
-def _out(name: str, fake_out, kernel):
+def _out_first(fake_out, kernel, on_cuda: bool, positional, written_names, args: tuple, outputs: dict) -> tuple:
+    """First call of an ``out`` overload's signature: the fake's checks, the overlap check, the kernel
+    (its launches recorded on CUDA). Returns what later calls reuse: ``(overlap layout, launches)``."""
+    fake_out(*args, **outputs)
+    layout = _overlap_layout(positional, written_names, args, outputs)
+    _check_overlap(layout, args, outputs)
+    if on_cuda:
+        return layout, _record(kernel, args, outputs)
+    kernel(*args, **outputs)
+    return layout, None
+
+
+def _out_again(kernel, layout, launches, args: tuple, outputs: dict) -> None:
+    """A later call of a known signature: the overlap check, then the recorded launches (or the kernel)."""
+    _check_overlap(layout, args, outputs)
+    if launches is None:
+        kernel(*args, **outputs)
+    else:
+        _replay(launches, (*args, *outputs.values()))
+
+
+def _out(name: str, fake_out, kernel, on_cuda: bool):
     """The real ``out`` overload (or the only overload of a writing operator): check, then write.
 
     Besides the fake's checks (cached by signature), every call checks that no written tensor
     overlaps another tensor argument (``check_no_overlap``): that needs data pointers, so only the
-    extents of the tensors are cached with the signature."""
-    seen = _Validated()  # signature -> (names, argument positions / output names, extents, written positions)
+    extents of the tensors are cached with the signature. On CUDA the first call of a signature
+    records the kernel's launches and later calls replay them (:func:`_record`)."""
+    seen = _Validated()  # signature -> (overlap layout, launches) of _out_first
     positional, written_names = _written_args(name)
 
     def impl(*args, **outputs):
         key = _metadata_key(args, outputs.values())
-        layout = seen.get(key)
-        if layout is None:
-            fake_out(*args, **outputs)
-            layout = seen.put(key, _overlap_layout(positional, written_names, args, outputs))
-        _check_overlap(layout, args, outputs)
-        kernel(*args, **outputs)
+        entry = seen.get(key)
+        if entry is None:
+            seen.put(key, _out_first(fake_out, kernel, on_cuda, positional, written_names, args, outputs))
+        else:
+            _out_again(kernel, *entry, args, outputs)
 
     impl.__name__ = f"{name}_out_{kernel.__name__.rsplit('_', 1)[-1]}"
     return impl
+
+
+#: (overload, "CPU" or "CUDA") -> the implementation registered for it (tests read their records)
+IMPLS: dict[tuple[str, str], object] = {}
+
+
+def _impl(overload: str, device: str, impl) -> None:
+    IMPLS[overload, device] = impl
+    _lib.impl(overload, impl, device)
 
 
 def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, functional_cuda=None) -> None:
     """Fakes and the CPU / CUDA kernels of one operator. ``functional_*`` replace the generic
     functional wrapper where the functional overload has arguments the kernels do not take."""
     if fake is not None:
-        _lib.impl(name, functional_cpu or _functional(name, fake, cpu), "CPU")
-        _lib.impl(name, functional_cuda or _functional(name, fake, cuda), "CUDA")
+        _impl(name, "CPU", functional_cpu or _functional(name, fake, cpu, False))
+        _impl(name, "CUDA", functional_cuda or _functional(name, fake, cuda, True))
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
         _DIRECT[name] = (_custom_direct(name, functional_cpu, functional_cuda) if functional_cpu
                          else _functional_direct(name, fake, cpu, cuda))
         name = name + ".out"
-    _lib.impl(name, _out(name, fake_out, cpu), "CPU")
-    _lib.impl(name, _out(name, fake_out, cuda), "CUDA")
+    _impl(name, "CPU", _out(name, fake_out, cpu, False))
+    _impl(name, "CUDA", _out(name, fake_out, cuda, True))
     torch.library.register_fake(f"{NAMESPACE}::{name}", fake_out, lib=_lib)
     _DIRECT[name] = _out_direct(name, fake_out, cpu, cuda)
 
@@ -403,30 +459,19 @@ def _out_direct(name: str, fake_out, cpu, cuda):
             on_cuda = _qualifies(kinds, args, outputs)
             if on_cuda is None:
                 return seen.put(key, _NOT_DIRECT)
-            fake_out(*args, **outputs)
-            layout = _overlap_layout(positional, written_names, args, outputs)
-            _check_overlap(layout, args, outputs)
-            if on_cuda:
-                seen.put(key, (cuda, layout, _record(cuda, args, outputs)))
-            else:
-                cpu(*args, **outputs)
-                seen.put(key, (cpu, layout, None))
+            kernel = cuda if on_cuda else cpu
+            seen.put(key, (kernel, *_out_first(fake_out, kernel, on_cuda, positional, written_names, args, outputs)))
             return None
         if entry is _NOT_DIRECT:
             return entry
-        kernel, layout, launches = entry
-        _check_overlap(layout, args, outputs)
-        if launches is None:
-            kernel(*args, **outputs)
-        else:
-            _replay(launches, (*args, *outputs.values()))
+        _out_again(*entry, args, outputs)
 
     return direct
 
 
 def _functional_direct(name: str, fake, cpu, cuda):
     """Direct call of a functional overload: the fake's output specs are cached with the signature."""
-    seen = _Validated()  # signature -> (kernel, (shape, dtype) of each output, device, launches), or _NOT_DIRECT
+    seen = _Validated()  # signature -> (kernel, (specs, device, launches)), or _NOT_DIRECT
     kinds = _argument_kinds(name)
     names = SCHEMAS[name][2]
 
@@ -436,24 +481,13 @@ def _functional_direct(name: str, fake, cpu, cuda):
             on_cuda = _qualifies(kinds, args, outputs)
             if on_cuda is None:
                 return seen.put(key, _NOT_DIRECT)
-            result = fake(*args)
-            result = result if isinstance(result, tuple) else (result,)
-            specs = tuple((r.shape, r.dtype) for r in result)
-            if on_cuda:
-                launches = _record(cuda, args, dict(zip(names, result)))
-                seen.put(key, (cuda, specs, result[0].device, launches))
-            else:
-                cpu(*args, **dict(zip(names, result)))
-                seen.put(key, (cpu, specs, result[0].device, None))
-            return result if len(result) > 1 else result[0]
-        if entry is _NOT_DIRECT:
+            kernel = cuda if on_cuda else cpu
+            result, reuse = _functional_first(fake, kernel, on_cuda, names, args)
+            seen.put(key, (kernel, reuse))
+        elif entry is _NOT_DIRECT:
             return entry
-        kernel, specs, device, launches = entry
-        result = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
-        if launches is None:
-            kernel(*args, **dict(zip(names, result)))
         else:
-            _replay(launches, (*args, *result))
+            result = _functional_again(entry[0], names, entry[1], args)
         return result if len(result) > 1 else result[0]
 
     return direct
