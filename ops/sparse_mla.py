@@ -428,6 +428,50 @@ def _sparse_mla_combine_kernel(
     out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H]
     num_heads, num_head_blocks, num_splits, qk_scale, lse_scale,  # softmax_factors(softmax_scale)[0, 2]
+    BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+):
+    stride_sink = tl.cast(stride_sink, tl.int64)  # the offset rule (ops/_launch.py)
+    stride_ot = tl.cast(stride_ot, tl.int64)
+    stride_oh = tl.cast(stride_oh, tl.int64)
+    stride_od = tl.cast(stride_od, tl.int64)
+    stride_lt = tl.cast(stride_lt, tl.int64)
+    stride_lh = tl.cast(stride_lh, tl.int64)
+    ws_acc_ptr = ws_ptr
+    ws_ml_ptr = ws_ptr + ws_ml_off
+    pid = tl.program_id(0)
+    hb = pid % num_head_blocks
+    t = (pid // num_head_blocks).to(tl.int64)
+    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    cols = tl.arange(0, DV_PAD)
+    m_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    for s in range(num_splits):
+        row = (t * num_splits + s) * num_heads + heads.to(tl.int64)
+        m_max = tl.maximum(m_max, tl.load(ws_ml_ptr + row * 2, mask=head_ok, other=float("-inf")))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, DV_PAD], dtype=tl.float32)
+    for s in range(num_splits):
+        row = (t * num_splits + s) * num_heads + heads.to(tl.int64)
+        m_s = tl.load(ws_ml_ptr + row * 2, mask=head_ok, other=float("-inf"))
+        l_s = tl.load(ws_ml_ptr + row * 2 + 1, mask=head_ok, other=0.0)
+        w = tl.exp2((m_s - m_use) * qk_scale)  # 0 for a split without candidates (m_s = -inf)
+        l_i += l_s * w
+        a = tl.load(ws_acc_ptr + row[:, None] * DV_PAD + cols[None, :], mask=head_ok[:, None], other=0.0)
+        acc += a * w[:, None]
+    lse, factor = _finish_rows(m_use, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
+    tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok)
+    out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
+    _store_piece(out_rows, stride_od, acc, factor, head_ok, 0, DV_PAD, DV)
+
+
+@triton.jit
+def _sparse_mla_combine_fanout_kernel(
+    ws_ptr, ws_ml_off,  # float32 workspace: acc [T, S, H, DV_PAD], then (m, l) [T, S, H, 2] at ws_ml_off
+    sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
+    out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype
+    lse_ptr, stride_lt, stride_lh,  # float32 [T, H]
+    num_heads, num_head_blocks, num_splits, qk_scale, lse_scale,  # softmax_factors(softmax_scale)[0, 2]
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
     DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
@@ -615,29 +659,51 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
                                          out, lse, factors)
 
 
+_COMBINE_HEADS = 16  # heads per program of the per-split combine
+
+
+def combine_fans_out(num_tokens: int, num_heads: int, num_splits: int) -> bool:
+    """Whether a split plan's partials are merged by the fan-out combine (every split's partials of a
+    tile loaded at once, many small programs) rather than the per-split one (one program per token and
+    16 heads, one split after the other). Measured on an H200 (CUDA-graph replay of the whole call,
+    same decode kernel, docs/sparse_mla.md): the fan-out saves 4.4 µs at T = 1, H = 128, 16 splits,
+    where the per-split combine runs 8 programs, each waiting on 16 loads in turn; it costs 0.7 µs at
+    T = 4 (32 programs) and 5-9 µs with 4-5 splits. So it runs only where the per-split combine would
+    have at most 16 programs and there are at least 8 splits."""
+    return num_tokens * cdiv(num_heads, _COMBINE_HEADS) <= 16 and num_splits >= 8
+
+
 def combine_blocks(num_splits: int, num_heads: int, dv_pad: int) -> tuple[int, int, int]:
-    """``(BLOCK_S, BLOCK_H, BLOCK_D)`` of the combine kernel: up to 16 splits per load, and a tile of
-    at most 4096 float32 partials (32 per thread), so the kernel runs many programs with every split's
-    bytes of a program in flight at once."""
+    """``(BLOCK_S, BLOCK_H, BLOCK_D)`` of the fan-out combine: up to 16 splits per load and a tile of at
+    most 4096 float32 partials (32 per thread)."""
     block_s = min(16, next_pow2(num_splits))
     block_d = min(64, next_pow2(dv_pad))
     block_h = max(1, min(next_pow2(num_heads), 4096 // (block_s * block_d)))
     return block_s, block_h, block_d
 
 
-def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, attn_sink, out, lse, factors):
+def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, attn_sink, out, lse, factors,
+                  fan_out: bool | None = None):
     """The combine launch of a split plan (both decode kernels write the same workspace layout);
     tensors in the order ``ws, sink, out, lse`` (``lse`` holds the places of the workspace and of an
-    absent sink here)."""
+    absent sink here). ``fan_out`` overrides :func:`combine_fans_out` (tests reach both kernels)."""
     sink = attn_sink if attn_sink is not None else lse
-    block_s, block_h, block_d = combine_blocks(splits, num_heads, dv_pad)
-    head_blocks_c = cdiv(num_heads, block_h)
+    if fan_out is None:
+        fan_out = combine_fans_out(num_tokens, num_heads, splits)
+    if fan_out:
+        block_s, block_h, block_d = combine_blocks(splits, num_heads, dv_pad)
+        head_blocks_c = cdiv(num_heads, block_h)
+        kernel, grid = _sparse_mla_combine_fanout_kernel, (num_tokens * head_blocks_c, cdiv(dv_pad, block_d))
+        meta = dict(BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d)
+    else:
+        block_h = min(_COMBINE_HEADS, next_pow2(num_heads))
+        head_blocks_c = cdiv(num_heads, block_h)
+        kernel, grid, meta = _sparse_mla_combine_kernel, (num_tokens * head_blocks_c,), dict(BLOCK_H=block_h)
     return KernelLaunch(
-        _sparse_mla_combine_kernel, (num_tokens * head_blocks_c, cdiv(dv_pad, block_d)),
+        kernel, grid,
         (lse, ws_ml_off, sink, sink.stride(0), out, out.stride(0), out.stride(1), out.stride(2),
          lse, lse.stride(0), lse.stride(1), num_heads, head_blocks_c, splits, factors[0], factors[2]),
-        dict(BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d, DV=head_dim_v, DV_PAD=dv_pad,
-             HAS_SINK=attn_sink is not None),
+        dict(meta, DV=head_dim_v, DV_PAD=dv_pad, HAS_SINK=attn_sink is not None),
         num_warps=4, device=out.device)
 
 

@@ -488,6 +488,38 @@ def test_triton_interpreter_split_heuristic():
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 
+@requires_interpreter
+@pytest.mark.parametrize("fan_out", [True, False], ids=["fan-out", "per-split"])
+def test_triton_interpreter_both_combines(monkeypatch, fan_out):
+    """Either combine kernel merges the same partials into the reference's result: 9 splits (one
+    chunk of the fan-out's 16), some without a candidate, a sink, lengths, an empty row."""
+    monkeypatch.setattr(mla_ops, "combine_fans_out", lambda *args: fan_out)
+    mla_ops._PLANS.clear()
+    spec = Spec(kv_format="fp8_656", T=2, H=20, K=70, K2=40, dtype=torch.float16, lengths=True, sink="finite",
+                empty_row=True, bad_indices=True)
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=9)
+    (_, _, combine), = mla_ops._PLANS.values()
+    mla_ops._PLANS.clear()
+    want = mla_ops._sparse_mla_combine_fanout_kernel if fan_out else mla_ops._sparse_mla_combine_kernel
+    assert combine.kernel is want
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+@pytest.mark.parametrize("tokens,heads,splits,fans_out", [
+    (1, 128, 16, True),  # measured: 23.7 against 28.1 µs (per-split: 8 programs, 16 loads each in turn)
+    (2, 64, 16, True),
+    (4, 128, 16, False),  # measured: 33.4 against 32.7 µs
+    (8, 64, 5, False),  # measured: 27.5 against 22.6 µs
+    (32, 64, 4, False),  # measured: 38.4 against 29.1 µs
+    (1, 16, 4, False),  # few splits: a short chain of loads
+])
+def test_combine_choice(tokens, heads, splits, fans_out):
+    """The fan-out combine runs only where it measured faster on an H200 (docs/sparse_mla.md)."""
+    assert mla_ops.combine_fans_out(tokens, heads, splits) is fans_out
+
+
 @pytest.mark.parametrize("tokens,heads,k,splits", [
     (1, 128, 2048, 16),  # 2 CTAs: 16 splits of 2 blocks (not 32 of one block)
     (4, 128, 2048, 16),  # 8 * 16 = 128 CTAs <= 132 SMs
