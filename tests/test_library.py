@@ -95,6 +95,95 @@ def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     assert dispatched == []
 
 
+def test_recent_signatures(dispatched):
+    """A known signature is recognised by PyTorch's tensor guard before any key is built; anything the
+    guard or the scalar comparison tells apart is looked up (or validated) again: other shapes, other
+    strides, a tensor that requires grad or is a subclass, a scalar of another class or value, an
+    output that now overlaps an input."""
+    assert _library._GUARDS is not None, "torch._C._dynamo.guards.TensorGuards is missing or changed"
+    args = swa_inputs()
+    other = tuple(torch.cat([a, a]) if a.dim() == 1 else a for a in args)
+    direct = _library._DIRECT["swa_indices.out"]
+    seen = next(c.cell_contents for c in direct.__closure__ if isinstance(c.cell_contents, dict))
+    for _ in range(3):  # two signatures in turn: both stay recent, both give their own results
+        for a in (args, other):
+            out = (torch.full((a[0].shape[0], 4), -7, dtype=torch.int32), torch.full_like(a[1], -7))
+            tsm.swa_indices(*a, window=4, block_size=2, out=out)
+            for x, y in zip(out, torch.ops.sparse_mla.swa_indices(*a, 4, 2)):
+                torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert dispatched == []
+    for a in (args, other):  # both signatures are recognised without building their keys
+        outs = (torch.empty(a[0].shape[0], 4, dtype=torch.int32), torch.empty_like(a[1]))
+        key, entry = seen.find((*a, 4, 2), outs, _library._direct_key)
+        assert key is None and entry is not None
+    dispatched.clear()
+    out = (torch.empty(4, 4, dtype=torch.int32), torch.empty(4, dtype=torch.int32))
+    # other strides of the same shape: validated again (and still right)
+    table_t = args[2].t().contiguous().t()
+    assert seen.find((args[0], args[1], table_t, args[3], 4, 2), out, _library._direct_key)[0] is not None
+    tsm.swa_indices(args[0], args[1], table_t, args[3], window=4, block_size=2, out=out)
+    torch.testing.assert_close(out[0], torch.ops.sparse_mla.swa_indices(*args, 4, 2)[0], rtol=0, atol=0)
+    assert dispatched == []
+    # an output that overlaps an input under a known signature: the overlap check still runs
+    with pytest.raises(ValueError, match="overlaps"):
+        tsm.swa_indices(*args, window=4, block_size=2, out=(out[0], args[1]))
+    tsm.swa_indices(*args, window=4, block_size=2, out=out)
+    # a tensor that requires grad, or a subclass, with the same metadata: the dispatcher
+    q, cache, indices = mla_inputs()
+    tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.125, head_dim_v=32)
+    assert dispatched == []
+    tsm.sparse_mla_decode(q.clone().requires_grad_(), cache, indices, softmax_scale=0.125, head_dim_v=32)
+    assert dispatched[-1] == "sparse_mla_decode"
+    tsm.sparse_mla_decode(torch.nn.Parameter(q.clone(), requires_grad=False), cache, indices, softmax_scale=0.125,
+                          head_dim_v=32)
+    assert len(dispatched) == 2
+    # a scalar of another class (int for float) goes to the dispatcher; another value is another signature
+    o_int, _ = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=1, head_dim_v=32)
+    assert len(dispatched) == 3
+    o_half, _ = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.5, head_dim_v=32)
+    o_one, _ = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=1.0, head_dim_v=32)
+    assert len(dispatched) == 3
+    torch.testing.assert_close(o_int, o_one, rtol=0, atol=0)
+    assert not torch.equal(o_half, o_one)
+
+
+def test_recent_signature_ring():
+    """The ring of recent signatures: right values whatever the pattern; signatures called in turn
+    are all served by it once they fit; with more than fit it stays bounded (the key path serves the
+    rest); once one signature repeats it is served again."""
+    ring = _library._RECENT
+
+    def key_of(args, outputs):
+        return args[0].shape, args[1]
+
+    for count, served_at_least, served_at_most in ((1, 1.0, 1.0), (ring, 1.0, 1.0), (ring + 4, 0.0, 1.0),
+                                                   (3 * ring, 0.0, 1.0)):
+        seen = _library._Validated()
+        sigs = [(torch.zeros(n), n % 3) for n in range(1, count + 1)]
+        for a in sigs:
+            seen.put(key_of(a, ()), a[0].shape[0], a)
+        for a in sigs:  # one cycle to settle
+            seen.find(a, (), key_of)
+        served = 0
+        for _ in range(20):
+            for a in sigs:
+                key, value = seen.find(a, (), key_of)
+                assert value == a[0].shape[0]
+                served += key is None
+        assert len(seen.ring) == min(count, ring)
+        assert served_at_least <= served / (20 * count) <= served_at_most, (count, served)
+    found = [seen.find(sigs[0], (), key_of) for _ in range(400)]
+    assert all(v == 1 for _, v in found) and all(k is None for k, _ in found[-100:])
+    # a scalar of another value or class, or a tensor of other strides, is not matched by the ring
+    seen = _library._Validated()
+    x = torch.zeros(4, 2)
+    seen.put(key_of((x, 1), ()), "a", (x, 1))
+    assert seen.find((torch.ones(4, 2), 1), (), key_of) == (None, "a")
+    assert seen.find((torch.ones(4, 2), 2), (), key_of)[0] is not None
+    assert seen.find((torch.ones(4, 2), True), (), key_of)[0] is not None
+    assert seen.find((torch.ones(2, 4).t(), 1), (), key_of)[0] is not None
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()

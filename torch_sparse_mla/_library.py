@@ -167,16 +167,159 @@ def _metadata_key(args: tuple, outputs=()) -> tuple:
     return tuple(key)
 
 
-class _Validated(dict):
-    """Argument signatures the fake has already accepted (by :func:`_metadata_key`). The checks read
-    metadata only, so a signature that passed once passes again: a real call with a known signature
-    skips them. Bounded like the launch-plan caches."""
+def _tensor_guards():
+    """PyTorch's compiled check of tensor metadata (``torch._C._dynamo.guards.TensorGuards``: Python
+    class, dispatch keys, dtype, device, ``requires_grad``, sizes and strides of many tensors in one
+    call), or None where it is missing or does not behave as this module needs (it is not a public
+    API; the signature keys below then serve every call)."""
+    try:
+        from torch._C._dynamo.guards import TensorGuards
 
-    def put(self, key, value):
+        def make(*tensors):
+            return TensorGuards(*tensors, dynamic_dims_sizes=[list(t.shape) for t in tensors],
+                                dynamic_dims_strides=[list(t.stride()) for t in tensors])
+
+        a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.int32)
+        guard = make(a, b)
+        ok = (guard.check(torch.ones(2, 3), torch.ones(4, dtype=torch.int32))
+              and not guard.check(torch.zeros(3, 2).t(), b) and not guard.check(a.double(), b)
+              and not guard.check(torch.zeros(2, 3, requires_grad=True), b)
+              and not guard.check(torch.nn.Parameter(a, requires_grad=False), b) and not guard.check(None, b))
+        return make if ok else None
+    except Exception:  # noqa: BLE001 - any failure means: do without
+        return None
+
+
+_GUARDS = _tensor_guards()
+_RECENT = 16  # signatures per overload recognised by guard before the signature key is built
+
+
+def _pick(positions: tuple):
+    """A function returning ``tuple(args[i] for i in positions)``."""
+    if len(positions) == 1:
+        i = positions[0]
+        return lambda args: (args[i],)
+    return operator.itemgetter(*positions) if positions else (lambda args: ())
+
+
+class _Validated(dict):
+    """Argument signatures the fake has already accepted, with what later calls of the signature reuse.
+    The checks read metadata only, so a signature that passed once passes again: a real call with a
+    known signature skips them. Bounded like the launch-plan caches.
+
+    :meth:`find` first tries to recognise the call's signature without building its key: a ring holds
+    the last ``_RECENT`` signatures, each with a guard, and each remembers which signature came after
+    it last time. The call is checked against that successor of the previous call's signature, then
+    against the previous signature itself: one guard check for a signature called again and again, and
+    for signatures called in turn (one per layer). A check is one call of PyTorch's tensor guard (every
+    tensor's class, dispatch keys, dtype, device, ``requires_grad``, sizes, strides) and a comparison
+    of the other arguments' classes and values. Otherwise the key is built (several Python attribute
+    reads per tensor) and looked up, and the signature joins the ring.
+
+    Building a guard costs about two signature keys, so a workload the ring cannot serve (more
+    signatures in turn than it holds) is kept from paying for it on every call: once the ring is full
+    only every fourth signature it missed replaces an entry, and after 8 known signatures in a row it
+    did not serve it is tried, and refreshed, on one call in 32 only, until it serves one again.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._forget()
+
+    def _forget(self):
+        # ring entries: (len(args), tensor picker, other picker, their classes, their values, guard, value, key)
+        self.ring, self.succ, self.where = [], [], {}  # entries, successor index of each, key -> index
+        self.last = 0  # index of the previous call's signature
+        self.slot = 0  # the entry replaced next once the ring is full
+        self.misses = 0  # known signatures in a row the ring did not serve
+        self.calls = 0  # calls while it is tried on one call in 32
+        self.skipped = 0  # signatures the full ring missed since it last took one
+
+    def put(self, key, value, args=None, outputs=()):
         if len(self) >= 4096:
             self.clear()
+            self._forget()
         self[key] = value
+        if args is not None and self.misses < 8:
+            self._follow(self._remember(key, args, outputs, value))
         return value
+
+    def find(self, args: tuple, outputs, key_of) -> tuple:
+        """``(key, value)`` of a call's signature: ``(None, value)`` when the ring recognises it,
+        ``(key, value or None)`` otherwise. ``key_of(args, outputs)`` builds the signature key."""
+        ring = self.ring
+        trying = bool(ring) and (self.misses < 8 or self._probe())
+        if trying:
+            last = self.last
+            try:
+                for i in (self.succ[last], last):
+                    n_args, tensors_of, others_of, classes, values, guard, value, _ = ring[i]
+                    if n_args == len(args):
+                        others = others_of(args)
+                        if (tuple(map(type, others)) == classes and others == values
+                                and guard(*tensors_of(args), *outputs)):
+                            self.succ[last] = i
+                            self.last = i
+                            self.misses = 0
+                            return None, value
+            except IndexError:  # the ring was reset by another thread meanwhile
+                pass
+        key = key_of(args, outputs)
+        value = self.get(key)
+        if value is not None:  # a known signature the ring did not serve (a new one is no miss)
+            if trying:
+                self.misses += 1
+            index = self.where.get(key)
+            if index is None and (trying or not ring):
+                index = self._remember(key, args, outputs, value)
+            self._follow(index)
+        return key, value
+
+    def _follow(self, index):
+        """Record that the signature at ``index`` came after the previous call's."""
+        if index is not None:
+            try:
+                self.succ[self.last] = index
+            except IndexError:
+                pass
+            self.last = index
+
+    def _probe(self) -> bool:
+        self.calls += 1
+        return not self.calls & 31
+
+    def _remember(self, key, args, outputs, value):
+        """Add a signature to the ring; its index, or None when it was not added."""
+        if _GUARDS is None:
+            return None
+        full = len(self.ring) >= _RECENT
+        if full:
+            self.skipped += 1
+            if self.skipped < 4:
+                return None
+            self.skipped = 0
+        tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        other_pos = tuple(i for i in range(len(args)) if i not in tensor_pos)
+        others = _pick(other_pos)(args)
+        try:
+            guard = _GUARDS(*_pick(tensor_pos)(args), *outputs).check
+        except Exception:  # noqa: BLE001 - a tensor the guard cannot describe: no shortcut for it
+            return None
+        entry = (len(args), _pick(tensor_pos), _pick(other_pos), tuple(map(type, others)), others, guard, value, key)
+        # Entries are replaced whole, never mutated, so a concurrent find() reads complete ones.
+        if not full:
+            index = len(self.ring)
+            self.ring.append(entry)
+            self.succ.append(index)
+        else:
+            index = self.slot
+            self.slot = (index + 1) % _RECENT
+            if self.where.get(self.ring[index][7]) == index:
+                del self.where[self.ring[index][7]]
+            self.ring[index] = entry
+            self.succ[index] = index
+        self.where[key] = index
+        return index
 
 
 def _functional_first(fake, kernel, on_cuda: bool, names: tuple, args: tuple):
@@ -214,11 +357,10 @@ def _functional(name: str, fake, kernel, on_cuda: bool):
     seen = _Validated()  # signature -> (specs, device, launches) of _functional_first
 
     def impl(*args):
-        key = _metadata_key(args)
-        reuse = seen.get(key)
+        key, reuse = seen.find(args, (), _metadata_key)
         if reuse is None:
             result, reuse = _functional_first(fake, kernel, on_cuda, names, args)
-            seen.put(key, reuse)
+            seen.put(key, reuse, args)
         else:
             result = _functional_again(kernel, names, reuse, args)
         return result if len(result) > 1 else result[0]
@@ -237,21 +379,26 @@ def _written_args(name: str) -> tuple[tuple[str, ...], frozenset[str]]:
 
 
 def _overlap_layout(positional, written_names, args, outputs) -> tuple:
-    """What :func:`check_no_overlap` needs besides the data pointers: names, where each tensor is
-    (argument position or output name), extents and the positions of the written ones."""
+    """What :func:`check_no_overlap` needs besides the data pointers: names, a picker of the tensors
+    from ``(*args, *outputs.values())``, extents, the positions of the written ones, and a cell holding
+    the last data pointers that passed (a signature's later calls repeat the check only when a pointer
+    changed: the caching allocator often hands a loop the same buffers step after step)."""
     entries = [(n, i, memory_extent(a)) for i, (n, a) in enumerate(zip(positional, args))
-               if isinstance(a, torch.Tensor)] + [(n, n, memory_extent(a)) for n, a in outputs.items()]
+               if isinstance(a, torch.Tensor)]
+    entries += [(n, len(args) + k, memory_extent(a)) for k, (n, a) in enumerate(outputs.items())]
     entries = [e for e in entries if e[2] > 0]
     written = tuple(k for k, (n, _, _) in enumerate(entries) if n in written_names or n in outputs)
-    return (tuple(n for n, _, _ in entries), tuple(i for _, i, _ in entries), tuple(e for _, _, e in entries),
-            written if len(entries) > 1 else ())
+    return (tuple(n for n, _, _ in entries), _pick(tuple(i for _, i, _ in entries)), tuple(e for _, _, e in entries),
+            written if len(entries) > 1 else (), [None])
 
 
 def _check_overlap(layout, args, outputs) -> None:
-    names, where, extents, written = layout
+    names, pick, extents, written, passed = layout
     if written:
-        check_no_overlap(names, [(outputs[i] if i.__class__ is str else args[i]).data_ptr() for i in where],
-                         extents, written)
+        starts = [t.data_ptr() for t in pick((*args, *outputs.values()))]
+        if starts != passed[0]:
+            check_no_overlap(names, starts, extents, written)
+            passed[0] = starts
 
 
 def _out_first(fake_out, kernel, on_cuda: bool, positional, written_names, args: tuple, outputs: dict) -> tuple:
@@ -286,10 +433,10 @@ def _out(name: str, fake_out, kernel, on_cuda: bool):
     positional, written_names = _written_args(name)
 
     def impl(*args, **outputs):
-        key = _metadata_key(args, outputs.values())
-        entry = seen.get(key)
+        key, entry = seen.find(args, outputs.values(), _metadata_key)
         if entry is None:
-            seen.put(key, _out_first(fake_out, kernel, on_cuda, positional, written_names, args, outputs))
+            seen.put(key, _out_first(fake_out, kernel, on_cuda, positional, written_names, args, outputs), args,
+                     outputs.values())
         else:
             _out_again(kernel, *entry, args, outputs)
 
@@ -440,8 +587,7 @@ def _lookup(seen: "_Validated", args: tuple, outputs) -> tuple:
     """``(signature, its cached entry or None)``; ``(None, _NOT_DIRECT)`` for an unhashable argument,
     which only the dispatcher can reject properly."""
     try:
-        key = _direct_key(args, outputs)
-        return key, seen.get(key)
+        return seen.find(args, outputs, _direct_key)
     except TypeError:
         return None, _NOT_DIRECT
 
@@ -458,9 +604,10 @@ def _out_direct(name: str, fake_out, cpu, cuda):
         if entry is None:
             on_cuda = _qualifies(kinds, args, outputs)
             if on_cuda is None:
-                return seen.put(key, _NOT_DIRECT)
+                return seen.put(key, _NOT_DIRECT, args, outputs.values())
             kernel = cuda if on_cuda else cpu
-            seen.put(key, (kernel, *_out_first(fake_out, kernel, on_cuda, positional, written_names, args, outputs)))
+            seen.put(key, (kernel, *_out_first(fake_out, kernel, on_cuda, positional, written_names, args, outputs)),
+                     args, outputs.values())
             return None
         if entry is _NOT_DIRECT:
             return entry
@@ -480,10 +627,10 @@ def _functional_direct(name: str, fake, cpu, cuda):
         if entry is None:
             on_cuda = _qualifies(kinds, args, outputs)
             if on_cuda is None:
-                return seen.put(key, _NOT_DIRECT)
+                return seen.put(key, _NOT_DIRECT, args)
             kernel = cuda if on_cuda else cpu
             result, reuse = _functional_first(fake, kernel, on_cuda, names, args)
-            seen.put(key, (kernel, reuse))
+            seen.put(key, (kernel, reuse), args)
         elif entry is _NOT_DIRECT:
             return entry
         else:
@@ -502,7 +649,7 @@ def _custom_direct(name: str, impl_cpu, impl_cuda):
         key, impl = _lookup(seen, args, ())
         if impl is None:
             on_cuda = _qualifies(kinds, args, outputs)
-            impl = seen.put(key, _NOT_DIRECT if on_cuda is None else impl_cuda if on_cuda else impl_cpu)
+            impl = seen.put(key, _NOT_DIRECT if on_cuda is None else impl_cuda if on_cuda else impl_cpu, args)
         return impl if impl is _NOT_DIRECT else impl(*args)
 
     return direct
