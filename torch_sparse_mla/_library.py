@@ -182,7 +182,8 @@ def _tensor_guards():
         a, b = torch.zeros(2, 3), torch.zeros(4, dtype=torch.int32)
         guard = make(a, b)
         ok = (guard.check(torch.ones(2, 3), torch.ones(4, dtype=torch.int32))
-              and not guard.check(torch.zeros(3, 2).t(), b) and not guard.check(a.double(), b)
+              and not guard.check(torch.zeros(3, 2).t(), b) and not guard.check(torch.zeros(2, 4), b)
+              and not guard.check(a.double(), b)
               and not guard.check(torch.zeros(2, 3, requires_grad=True), b)
               and not guard.check(torch.nn.Parameter(a, requires_grad=False), b) and not guard.check(None, b))
         return make if ok else None
