@@ -15,9 +15,10 @@ tensor-core work. This kernel does both, with explicit warp specialisation:
     layout the tensor cores read; then the per-key validity (and, for ``fp8_656``, the per-key group
     scales), a proxy fence and an mbarrier arrive.
   - *two consumers* (4 warps each) split the output dims: consumer ``w`` owns ``[256 w, 256 w + 256)``
-    (a ``[64, 512]`` float32 accumulator does not fit one warpgroup's registers). The first waits for
-    a stage, computes ``S = Q K^T`` with ``wgmma`` straight from shared memory (Q was staged once,
-    before the fork), runs the online softmax in base 2, hands ``P`` and the rescale factor of the
+    (a ``[64, 512]`` float32 accumulator does not fit one warpgroup's registers). The first stages Q
+    in shared memory once (while the producer already fetches the first block), then waits for a
+    stage, computes ``S = Q K^T`` with ``wgmma`` straight from shared memory, runs the online softmax
+    in base 2, hands ``P`` and the rescale factor of the
     block to the second through shared memory (``p_ready`` / ``p_free`` mbarriers), and accumulates
     ``O += P V`` for its dims, where V is the same K tile read in place (no copy, no transpose). The
     second only rescales its half of ``O`` and adds ``P V``: ``Q K^T`` is computed once per block.
