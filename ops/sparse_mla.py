@@ -422,6 +422,22 @@ def _sparse_mla_decode_kernel(
 
 
 @triton.jit
+def _combine_strides(stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh):
+    """The combine kernels' strides, widened to int64 (the offset rule of ops/_launch.py)."""
+    return (tl.cast(stride_sink, tl.int64), tl.cast(stride_ot, tl.int64), tl.cast(stride_oh, tl.int64),
+            tl.cast(stride_od, tl.int64), tl.cast(stride_lt, tl.int64), tl.cast(stride_lh, tl.int64))
+
+
+@triton.jit
+def _combine_rows(num_head_blocks, num_heads, BLOCK_H: tl.constexpr):
+    """Token, head indices and their mask of a combine program (axis 0: token-major head blocks)."""
+    pid = tl.program_id(0)
+    t = (pid // num_head_blocks).to(tl.int64)
+    heads = (pid % num_head_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+    return t, heads, heads < num_heads
+
+
+@triton.jit
 def _sparse_mla_combine_kernel(
     ws_ptr, ws_ml_off,  # float32 workspace: acc [T, S, H, DV_PAD], then (m, l) [T, S, H, 2] at ws_ml_off
     sink_ptr, stride_sink,  # float32 [H] (HAS_SINK)
@@ -430,19 +446,11 @@ def _sparse_mla_combine_kernel(
     num_heads, num_head_blocks, num_splits, qk_scale, lse_scale,  # softmax_factors(softmax_scale)[0, 2]
     BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
-    stride_sink = tl.cast(stride_sink, tl.int64)  # the offset rule (ops/_launch.py)
-    stride_ot = tl.cast(stride_ot, tl.int64)
-    stride_oh = tl.cast(stride_oh, tl.int64)
-    stride_od = tl.cast(stride_od, tl.int64)
-    stride_lt = tl.cast(stride_lt, tl.int64)
-    stride_lh = tl.cast(stride_lh, tl.int64)
+    stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh = _combine_strides(
+        stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh)
     ws_acc_ptr = ws_ptr
     ws_ml_ptr = ws_ptr + ws_ml_off
-    pid = tl.program_id(0)
-    hb = pid % num_head_blocks
-    t = (pid // num_head_blocks).to(tl.int64)
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < num_heads
+    t, heads, head_ok = _combine_rows(num_head_blocks, num_heads, BLOCK_H)
     cols = tl.arange(0, DV_PAD)
     m_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     for s in range(num_splits):
@@ -478,19 +486,11 @@ def _sparse_mla_combine_fanout_kernel(
     """One program per (token, block of BLOCK_H heads, BLOCK_D output dims). The partials of
     BLOCK_S splits are loaded as one [BLOCK_S, BLOCK_H, BLOCK_D] tile, so every split's bytes are in
     flight at once (a loop of one split per step waits on one load per split: latency-bound)."""
-    stride_sink = tl.cast(stride_sink, tl.int64)  # the offset rule (ops/_launch.py)
-    stride_ot = tl.cast(stride_ot, tl.int64)
-    stride_oh = tl.cast(stride_oh, tl.int64)
-    stride_od = tl.cast(stride_od, tl.int64)
-    stride_lt = tl.cast(stride_lt, tl.int64)
-    stride_lh = tl.cast(stride_lh, tl.int64)
+    stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh = _combine_strides(
+        stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh)
     ws_ml_ptr = ws_ptr + ws_ml_off
-    pid = tl.program_id(0)
-    hb = pid % num_head_blocks
-    t = (pid // num_head_blocks).to(tl.int64)
+    t, heads, head_ok = _combine_rows(num_head_blocks, num_heads, BLOCK_H)
     d0 = tl.program_id(1) * BLOCK_D
-    heads = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    head_ok = heads < num_heads
     cols = d0 + tl.arange(0, BLOCK_D)
     splits = tl.arange(0, BLOCK_S)
     # [BLOCK_S, BLOCK_H] workspace rows of split s0 + s, head h
