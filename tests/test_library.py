@@ -184,6 +184,23 @@ def test_recent_signature_ring():
     assert seen.find((torch.ones(2, 4).t(), 1), (), key_of)[0] is not None
 
 
+def test_without_tensor_guards(monkeypatch):
+    """Where PyTorch's tensor guard is missing (or fails the import-time self-test), every call builds
+    its signature key, with the same results."""
+    monkeypatch.setattr(_library, "_GUARDS", None)
+    seen = _library._Validated()
+
+    def key_of(args, outputs):
+        return args[0].shape, args[1]
+
+    x = torch.zeros(3)
+    seen.put(key_of((x, 1), ()), "a", (x, 1))
+    for _ in range(3):
+        assert seen.find((torch.ones(3), 1), (), key_of) == (((3,), 1), "a")
+    assert seen.find((torch.ones(4), 1), (), key_of) == (((4,), 1), None)
+    assert seen.ring == []
+
+
 class _Recorder(TorchDispatchMode):
     def __init__(self):
         super().__init__()
