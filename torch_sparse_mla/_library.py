@@ -393,10 +393,11 @@ def _overlap_layout(positional, written_names, args, outputs) -> tuple:
             written if len(entries) > 1 else (), [None])
 
 
-def _check_overlap(layout, args, outputs) -> None:
+def _check_overlap(layout, pool: tuple) -> None:
+    """The overlap check of a call whose arguments and outputs are ``pool = (*args, *outputs.values())``."""
     names, pick, extents, written, passed = layout
     if written:
-        starts = [t.data_ptr() for t in pick((*args, *outputs.values()))]
+        starts = [t.data_ptr() for t in pick(pool)]
         if starts != passed[0]:
             check_no_overlap(names, starts, extents, written)
             passed[0] = starts
@@ -407,7 +408,7 @@ def _out_first(fake_out, kernel, on_cuda: bool, positional, written_names, args:
     (its launches recorded on CUDA). Returns what later calls reuse: ``(overlap layout, launches)``."""
     fake_out(*args, **outputs)
     layout = _overlap_layout(positional, written_names, args, outputs)
-    _check_overlap(layout, args, outputs)
+    _check_overlap(layout, (*args, *outputs.values()))
     if on_cuda:
         return layout, _record(kernel, args, outputs)
     kernel(*args, **outputs)
@@ -416,11 +417,12 @@ def _out_first(fake_out, kernel, on_cuda: bool, positional, written_names, args:
 
 def _out_again(kernel, layout, launches, args: tuple, outputs: dict) -> None:
     """A later call of a known signature: the overlap check, then the recorded launches (or the kernel)."""
-    _check_overlap(layout, args, outputs)
+    pool = (*args, *outputs.values())  # the overlap check's tensors and the replayed launches' own
+    _check_overlap(layout, pool)
     if launches is None:
         kernel(*args, **outputs)
     else:
-        _replay(launches, (*args, *outputs.values()))
+        _replay(launches, pool)
 
 
 def _out(name: str, fake_out, kernel, on_cuda: bool):
