@@ -72,6 +72,8 @@ if HAS_TRITON:
 BLOCK_H = 64  # heads per CTA: the M of one warpgroup's wgmma
 BLOCK_N = 64  # candidates per block (one ring stage)
 _MIN_BLOCKS_PER_SPLIT = 2
+# Most CTAs for which a split of one block each beats splits of two (small T, short lists).
+_ONE_BLOCK_CTAS = 64
 # Registers per thread requested for the second consumer and the producer (setmaxnreg), per cache
 # format; the first consumer (the default partition: Q K^T, softmax and its half of P V) gets what is
 # left of the 64K register file (up to 256). fp8_656's second consumer scales P per group and spills
@@ -759,12 +761,20 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
     keeping at least ``_MIN_BLOCKS_PER_SPLIT`` blocks of 64 per split (a split of one block cannot
     overlap its gathers with its math). Measured on an H200 (docs/sparse_mla_hopper.md): a second,
     partial wave costs more than the longer lists it saves, e.g. H=128 K=2048 T=16 with 4 splits
-    67.5 us against 91.6 us with 5."""
+    67.5 us against 91.6 us with 5.
+
+    Exception: when one block per CTA still makes at most ``_ONE_BLOCK_CTAS`` CTAs, every block gets
+    its own split. There the call is bound by the latency of one CTA's chain (slot ids, gathers,
+    math, partials), which a second block lengthens more than the wider combine costs, e.g. fp8_584
+    H=64 K=640 T=1: 17.9 us with 10 splits of one block against 20.5 us with 5 of two."""
     head_blocks = cdiv(num_heads, BLOCK_H)
     programs = max(num_tokens * head_blocks, 1)
     if num_splits is None:
         blocks = cdiv(k_total, BLOCK_N)
-        num_splits = max(1, min(num_sms // programs, blocks // _MIN_BLOCKS_PER_SPLIT))
+        if programs * blocks <= min(_ONE_BLOCK_CTAS, num_sms):
+            num_splits = max(blocks, 1)
+        else:
+            num_splits = max(1, min(num_sms // programs, blocks // _MIN_BLOCKS_PER_SPLIT))
     return LaunchPlan(block_h=BLOCK_H, head_blocks=head_blocks, block_n=BLOCK_N, num_splits=num_splits,
                       num_warps=4, num_stages=1)
 

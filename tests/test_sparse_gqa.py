@@ -905,6 +905,11 @@ def test_launch_config_splits_small_batches():
     assert gqa_ops.launch_config(q, cache, 16, num_splits=100).num_splits == 16  # never an empty split
     nvfp4 = torch.empty(8, 8, 128, 72, dtype=torch.uint8)
     assert gqa_ops.launch_config(q, nvfp4, 16, num_sms=132).num_splits == small.num_splits
+    # About one program per SM for value caches, two for NVFP4 (measured on an H200, docs/sparse_gqa.md).
+    q4, q32 = torch.empty(4, 64, 128, dtype=BF16), torch.empty(32, 64, 128, dtype=BF16)
+    assert gqa_ops.launch_config(q4, cache, 16, num_sms=132).num_splits == 8  # 16 programs: cdiv(132, 16) = 9 -> 8
+    assert gqa_ops.launch_config(q32, cache, 16, num_sms=132).num_splits == 2  # 128 programs
+    assert gqa_ops.launch_config(q32, nvfp4, 16, num_sms=132).num_splits == 3  # cdiv(264, 128) = 3
 
 
 INTERPRETER_INSERT_CASES = [

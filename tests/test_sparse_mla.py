@@ -521,7 +521,11 @@ def test_combine_choice(tokens, heads, splits, fans_out):
 
 
 @pytest.mark.parametrize("tokens,heads,k,splits", [
-    (1, 128, 2048, 16),  # 2 CTAs: 16 splits of 2 blocks (not 32 of one block)
+    (1, 128, 2048, 32),  # 2 x 32 = 64 CTAs of one block each (23.2 µs; 16 splits of 2 blocks: 23.5)
+    (2, 128, 2048, 16),  # 4 x 32 = 128 > 64: splits of 2 blocks (25.6 µs; 32 of one block: 29.2)
+    (1, 64, 640, 10),  # fp8_584 T=1: 10 CTAs of one block (17.9 µs; 5 of two blocks: 20.5)
+    (4, 64, 640, 10),  # 40 CTAs (20.9 µs; 5 splits: 22.4)
+    (8, 64, 640, 5),  # 80 > 64: two blocks per split (22.8 µs; 10 of one block: 23.4)
     (4, 128, 2048, 16),  # 8 * 16 = 128 CTAs <= 132 SMs
     (16, 128, 2048, 4),  # 32 * 4 = 128: not 5 (a second, partial wave)
     (64, 128, 2048, 1),  # 128 CTAs already: no split
@@ -530,12 +534,13 @@ def test_combine_choice(tokens, heads, splits, fans_out):
     (1, 128, 64, 1),  # one block: nothing to split
 ])
 def test_hopper_split_heuristic(tokens, heads, k, splits):
-    """The Hopper kernel's split count keeps one wave of CTAs and two blocks per split (measured on
-    an H200, docs/sparse_mla_hopper.md)."""
+    """The Hopper kernel's split count keeps one wave of CTAs and two blocks per split, or one block
+    per split where that makes at most 64 CTAs (measured on an H200, docs/sparse_mla_hopper.md)."""
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 
     plan = hopper.plan_launch(tokens, heads, k, 132)
     assert plan.num_splits == splits
+    assert hopper.plan_launch(tokens, heads, k, 32).num_splits <= max(32 // plan.head_blocks // tokens, 1)
     assert tokens * plan.head_blocks * plan.num_splits <= 132 or plan.num_splits == 1
     assert hopper.plan_launch(tokens, heads, k, 132, num_splits=3).num_splits == 3
 
