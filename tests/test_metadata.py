@@ -471,6 +471,25 @@ def test_interpreter_compressed_slot_mapping(batch):
 
 
 @requires_interpreter
+def test_interpreter_compressed_slot_mapping_recorded():
+    """The implementation registered for CUDA of the functional overload, run through the interpreter:
+    its first call records the Triton launcher's launch (``num_tokens`` sizes the output and is not
+    passed to the kernel), later calls replay it with their own tensors."""
+    from torch_sparse_mla import _library
+    from torch_sparse_mla.meta_kernels import metadata as meta
+
+    impl = _library._functional("compressed_slot_mapping", meta.compressed_slot_mapping,
+                                _library._without_num_tokens(kernels.compressed_slot_mapping_triton), True)
+    seen = next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, dict))
+    b, c = make_batch(**BATCHES[INTERP_BATCHES[0]]), make_batch(**BATCHES[INTERP_BATCHES[-1]])
+    for batch in (b, b, c, b):
+        n = batch.positions.shape[0] + 3
+        out = impl(batch.query_start_loc, batch.seq_lens, batch.block_table, n, 4, 2)
+        check_compressed_slot_mapping(batch, 4, 2, n, out)
+    assert any(entry[2] for entry in seen.values())  # a recorded launch was replayed
+
+
+@requires_interpreter
 @pytest.mark.parametrize("batch", INTERP_BATCHES, ids=str)
 def test_interpreter_c128a_topk_indices(batch):
     b = make_batch(**BATCHES[batch])

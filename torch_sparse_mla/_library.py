@@ -457,14 +457,14 @@ def _impl(overload: str, device: str, impl) -> None:
 
 
 def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, functional_cuda=None) -> None:
-    """Fakes and the CPU / CUDA kernels of one operator. ``functional_*`` replace the generic
-    functional wrapper where the functional overload has arguments the kernels do not take."""
+    """Fakes and the CPU / CUDA kernels of one operator. ``functional_*`` are the kernels the functional
+    overload calls where it has arguments the ``out`` kernels do not take."""
     if fake is not None:
-        _impl(name, "CPU", functional_cpu or _functional(name, fake, cpu, False))
-        _impl(name, "CUDA", functional_cuda or _functional(name, fake, cuda, True))
+        functional_cpu, functional_cuda = functional_cpu or cpu, functional_cuda or cuda
+        _impl(name, "CPU", _functional(name, fake, functional_cpu, False))
+        _impl(name, "CUDA", _functional(name, fake, functional_cuda, True))
         torch.library.register_fake(f"{NAMESPACE}::{name}", fake, lib=_lib)
-        _DIRECT[name] = (_custom_direct(name, functional_cpu, functional_cuda) if functional_cpu
-                         else _functional_direct(name, fake, cpu, cuda))
+        _DIRECT[name] = _functional_direct(name, fake, functional_cpu, functional_cuda)
         name = name + ".out"
     _impl(name, "CPU", _out(name, fake_out, cpu, False))
     _impl(name, "CUDA", _out(name, fake_out, cuda, True))
@@ -643,21 +643,6 @@ def _functional_direct(name: str, fake, cpu, cuda):
     return direct
 
 
-def _custom_direct(name: str, impl_cpu, impl_cuda):
-    """Direct call of a functional overload with its own implementations (which run the fake)."""
-    seen = _Validated()  # signature -> implementation, or _NOT_DIRECT
-    kinds = _argument_kinds(name)
-
-    def direct(args, outputs):
-        key, impl = _lookup(seen, args, ())
-        if impl is None:
-            on_cuda = _qualifies(kinds, args, outputs)
-            impl = seen.put(key, _NOT_DIRECT if on_cuda is None else impl_cuda if on_cuda else impl_cpu, args)
-        return impl if impl is _NOT_DIRECT else impl(*args)
-
-    return direct
-
-
 def call(overload: str, *args, **outputs):
     """``torch.ops.sparse_mla.<overload>(*args, **outputs)``, with the dispatcher skipped for a plain
     eager call (see above). ``overload`` is ``"name"`` (the functional or only overload) or
@@ -670,24 +655,23 @@ def call(overload: str, *args, **outputs):
     return _OVERLOADS[overload](*args, **outputs)
 
 
-def _compressed_slot_mapping(kernel):
-    """Functional ``compressed_slot_mapping``: ``num_tokens`` sizes the output and is not a kernel argument."""
+def _without_num_tokens(kernel):
+    """A ``compressed_slot_mapping`` kernel as its functional overload calls it: ``num_tokens`` only
+    sizes the output (the fake allocates it), the kernels do not take it."""
 
-    def impl(query_start_loc, seq_lens, block_table, num_tokens, block_size, compress_ratio):
-        out = metadata_meta.compressed_slot_mapping(query_start_loc, seq_lens, block_table, num_tokens, block_size,
-                                                    compress_ratio)
+    def run(query_start_loc, seq_lens, block_table, num_tokens, block_size, compress_ratio, *, out):
         kernel(query_start_loc, seq_lens, block_table, block_size, compress_ratio, out=out)
-        return out
 
-    return impl
+    run.__name__ = kernel.__name__
+    return run
 
 
 # -- metadata ------------------------------------------------------------------------------------------
 _register("compressed_slot_mapping",
           fake=metadata_meta.compressed_slot_mapping, fake_out=metadata_meta.compressed_slot_mapping_out,
           cpu=metadata_ops.compressed_slot_mapping_torch, cuda=metadata_ops.compressed_slot_mapping_triton,
-          functional_cpu=_compressed_slot_mapping(metadata_ops.compressed_slot_mapping_torch),
-          functional_cuda=_compressed_slot_mapping(metadata_ops.compressed_slot_mapping_triton))
+          functional_cpu=_without_num_tokens(metadata_ops.compressed_slot_mapping_torch),
+          functional_cuda=_without_num_tokens(metadata_ops.compressed_slot_mapping_triton))
 _register("c128a_topk_indices",
           fake=metadata_meta.c128a_topk_indices, fake_out=metadata_meta.c128a_topk_indices_out,
           cpu=metadata_ops.c128a_topk_indices_torch, cuda=metadata_ops.c128a_topk_indices_triton)
