@@ -194,8 +194,21 @@ def _raw_stream(index: int) -> int:
 
 
 # thread id -> list of (KernelLaunch, tensors) while torch_sparse_mla._library records which launches a
-# launcher makes in that thread (see there); empty otherwise
+# launcher makes in that thread (see there), with (None, (tensor, numel, dtype, device)) for each buffer
+# the launcher allocated through scratch(); empty otherwise
 RECORDERS: dict[int, list] = {}
+
+
+def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A new uninitialised 1-D buffer a launcher needs for one call (a split workspace). Its size must
+    depend on shapes only. A recorded call notes it, so that a replay of the call's launches allocates a
+    buffer of its own of the same size instead of running the launcher."""
+    buffer = torch.empty(numel, dtype=dtype, device=device)
+    if RECORDERS:
+        recorder = RECORDERS.get(threading.get_ident())
+        if recorder is not None:
+            recorder.append((None, (buffer, numel, dtype, device)))
+    return buffer
 
 
 class KernelLaunch:
@@ -298,4 +311,4 @@ class KernelLaunch:
 
 
 __all__ = ["DEFAULT_SHARED_BYTES", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan", "PlanCache",
-           "cdiv", "multiprocessor_count", "next_pow2", "prev_pow2", "shared_memory_per_block"]
+           "cdiv", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block"]

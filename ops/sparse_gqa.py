@@ -48,7 +48,8 @@ from ..meta_kernels.sparse_gqa import (
     is_nvfp4,
 )
 from ._formats import written_slots
-from ._launch import LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2
+from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2,
+                      scratch)
 from ._rounding import bf16_bits, e4m3_bits, f16_bits, load_as_f32
 from ._triton import tl, triton
 
@@ -884,7 +885,7 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
         return
     # float32 m [R], l [R], acc [R, Dh] of the R = T * Hq * S partial rows; its size depends on shapes
     # only, so CUDA-graph capture sees a fixed allocation.
-    ws = torch.empty(ws_numel, dtype=torch.float32, device=q.device)
+    ws = scratch(ws_numel, torch.float32, q.device)  # sized from shapes only
     main(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, ks, vs, out, ws)
     combine(ws, vs, out)
 

@@ -45,6 +45,7 @@ from ._launch import (
     cdiv,
     multiprocessor_count,
     next_pow2,
+    scratch,
     shared_memory_per_block,
 )
 from ._triton import tl, triton
@@ -776,6 +777,6 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
     if combine is None:
         main(q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse, lse)
         return
-    ws = torch.empty(ws_numel, dtype=torch.float32, device=q.device)  # sized from shapes only
+    ws = scratch(ws_numel, torch.float32, q.device)  # sized from shapes only
     main(q, kv_cache, indices, length, xc, xi, xlength, sink, out, lse, ws)
     combine(ws, sink, out, lse)

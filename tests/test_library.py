@@ -336,7 +336,9 @@ def test_recorded_launches(monkeypatch):
     """What a record keeps: each launch with the positions of its tensors among the call's own; no
     record when a launch got another tensor or an argument passed twice; records of two threads kept
     apart; no record nested in another."""
+    import gc
     import threading
+    import weakref
 
     from torch_sparse_mla.ops import metadata as metadata_ops
 
@@ -358,7 +360,7 @@ def test_recorded_launches(monkeypatch):
         second(y, x, out)
 
     plan = _library._record(launcher, (a, b), {"out": c})
-    assert [launch for launch, _ in plan] == [first, second]
+    assert plan[0] == () and [launch for launch, _ in plan[1]] == [first, second]
     a2, b2, c2 = torch.ones(2), torch.ones(3), torch.ones(4)
     _library._replay(plan, (a2, b2, c2))
     assert all(x is y for x, y in zip(calls[first][-1], (a2, c2, c2)))
@@ -373,7 +375,7 @@ def test_recorded_launches(monkeypatch):
         second(y, x, out)
 
     plan = _library._record(outer, (a, b), {"out": c})
-    assert [launch for launch, _ in plan] == [first, first, second, second]
+    assert [launch for launch, _ in plan[1]] == [first, first, second, second]
     # two threads record at the same time: each keeps its own launches
     started, release = threading.Event(), threading.Event()
     result = {}
@@ -390,9 +392,28 @@ def test_recorded_launches(monkeypatch):
     mine = _library._record(lambda x, y, *, out: second(y, x, out), (a, b), {"out": c})
     release.set()
     worker.join(10)
-    assert [launch for launch, _ in mine] == [second]
-    assert [launch for launch, _ in result["plan"]] == [first, second]
+    assert [launch for launch, _ in mine[1]] == [second]
+    assert [launch for launch, _ in result["plan"][1]] == [first, second]
     assert not _launch.RECORDERS
+    # a buffer the launcher allocates through scratch(): the record keeps its size, not the buffer, and
+    # each replay passes a new buffer of that size where the recorded launch had it
+    def with_workspace(x, y, *, out):
+        ws = _launch.scratch(5, torch.float32, x.device)
+        first(x, ws, out)
+        second(ws, y, out)
+
+    plan = _library._record(with_workspace, (a, b), {"out": c})
+    assert plan[0] == ((5, torch.float32, a.device),)
+    ws_recorded = weakref.ref(calls[first][-1][1])
+    del calls[first][-1], calls[second][-1]
+    gc.collect()
+    assert ws_recorded() is None  # the record did not keep the recorded call's buffer alive
+    _library._replay(plan, (a2, b2, c2))
+    ws_first, ws_second = calls[first][-1][1], calls[second][-1][0]
+    assert ws_first is ws_second and ws_first.shape == (5,) and ws_first.dtype == torch.float32
+    assert calls[first][-1][0] is a2 and calls[second][-1][1] is b2
+    _library._replay(plan, (a2, b2, c2))
+    assert calls[first][-1][1] is not ws_first  # a new buffer per replay
 
 
 @requires_cuda

@@ -811,6 +811,26 @@ def test_triton_interpreter_matches_reference(cfg, num_splits):
 
 
 @requires_interpreter
+def test_triton_interpreter_recorded_split_launches():
+    """The ``out`` implementation registered for CUDA, through the interpreter: the first call of a
+    split signature records the decode and combine launches and the workspace's size; later calls of
+    the signature (new values) replay them, each with a workspace of its own, and match the reference."""
+    from torch_sparse_mla import _library
+
+    impl = _library.IMPLS["sparse_gqa_decode.out", "CUDA"]
+    seen = next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, dict))
+    cfg = Cfg(hq=8, hkv=1, dh=64, page_size=16, batch=1, extra_rows=0, n_sel=6)
+    for seed in (1, 2, 3):
+        args, _ = make_inputs(cfg, seed=seed)
+        assert gqa_ops.launch_config(args["q"], args["kv_cache"], cfg.n_sel).num_splits > 1
+        out = _out_buffer(args)
+        impl(*args.values(), out=out)
+        assert_matches_reference(out, args)
+    records = [entry[1] for entry in seen.values() if entry[1] is not None]
+    assert any(scratch and len(launches) == 2 for scratch, launches in records)  # decode + combine, one workspace
+
+
+@requires_interpreter
 @pytest.mark.parametrize("kv_dtype", [FP16, NVFP4], ids=lambda d: DTYPE_NAMES[d])
 def test_triton_interpreter_block_n_128(kv_dtype):
     """The 128-key tile (pages of 128) used on the GPU for the benchmark shapes."""

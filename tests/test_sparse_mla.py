@@ -489,6 +489,26 @@ def test_triton_interpreter_split_heuristic():
 
 
 @requires_interpreter
+def test_triton_interpreter_recorded_split_launches():
+    """The ``out`` implementation registered for CUDA, through the interpreter: the first call of a
+    split signature records the decode and combine launches and the workspace's size; later calls of
+    the signature (new values) replay them, each with a workspace of its own, and match the reference."""
+    from torch_sparse_mla import _library
+
+    impl = _library.IMPLS["sparse_mla_decode.out", "CUDA"]
+    seen = next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, dict))
+    spec = Spec(kv_format="fp8_584", T=1, H=16, K=256, dtype=torch.float16, lengths=True, sink="finite")
+    for seed in (1, 2, 3):
+        kwargs = make_inputs(spec, seed=0, value_seed=seed)
+        assert mla_ops.plan_launch(1, 16, 256, 4, dim=512, head_dim_v=512).num_splits > 1  # 4 SMs off CUDA
+        out, lse = _outputs_like(kwargs)
+        impl(*_positional(kwargs), out=out, lse=lse)
+        assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+    records = [entry[1] for entry in seen.values() if entry[1] is not None]
+    assert any(scratch and len(launches) == 2 for scratch, launches in records)  # decode + combine, one workspace
+
+
+@requires_interpreter
 @pytest.mark.parametrize("fan_out", [True, False], ids=["fan-out", "per-split"])
 def test_triton_interpreter_both_combines(monkeypatch, fan_out):
     """Either combine kernel merges the same partials into the reference's result: 9 splits (one

@@ -335,14 +335,15 @@ def _functional_first(fake, kernel, on_cuda: bool, names: tuple, args: tuple):
         launches = _record(kernel, args, named)
     else:
         kernel(*args, **named)
-    return result, (tuple((r.shape, r.dtype) for r in result), result[0].device, launches)
+    # Plain tuples: torch.empty parses a tuple of ints faster than a torch.Size (about 0.8 µs per output).
+    return result, (tuple((tuple(r.shape), r.dtype) for r in result), result[0].device, launches)
 
 
 def _functional_again(kernel, names: tuple, reuse: tuple, args: tuple) -> tuple:
     """A later call of a known signature: new outputs of the cached specs, then the kernel's recorded
     launches (or the kernel)."""
     specs, device, launches = reuse
-    result = tuple(torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs)
+    result = tuple([torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs])
     if launches is None:
         kernel(*args, **dict(zip(names, result)))
     else:
@@ -549,15 +550,18 @@ def _qualifies(kinds: tuple, args: tuple, outputs: dict) -> bool | None:
 
 
 def _record(kernel, args: tuple, outputs: dict):
-    """Run a CUDA launcher and return its launches as ``((KernelLaunch, getter), ...)``, where
-    ``getter(tensors)`` picks that launch's tensors from ``(*args, *outputs.values())`` of a later
-    call; or None (after the same run) when a launch received a tensor that is not exactly one of the
-    call's own (a workspace, a view, an argument passed twice).
+    """Run a CUDA launcher and return its launches as ``(scratch, ((KernelLaunch, getter), ...))``:
+    ``scratch`` the ``(numel, dtype, device)`` of each buffer the launcher allocated for the call
+    (``ops/_launch.py::scratch``, a split workspace), ``getter(tensors)`` picks a launch's tensors from
+    ``(*args, *outputs.values(), *scratch buffers)`` of a later call. None (after the same run) when a
+    launch received a tensor that is not exactly one of those (a view, an argument passed twice, a
+    buffer the launcher allocated otherwise).
 
     A later call with the same signature replays these launches without the launcher: CUDA launchers
     read only metadata, so the same signature makes the same launches with the same arguments, and
     their only effect is those launches (their KernelLaunch objects stay valid when the launchers'
-    plan caches evict them). This saves the launcher's own plan lookup on every eager call."""
+    plan caches evict them). This saves the launcher's own plan lookup on every eager call. The record
+    keeps no tensor: a replay allocates its own scratch buffers, as the launcher would."""
     thread = threading.get_ident()
     if thread in _launch.RECORDERS:  # already recording in this thread: never interleave two records
         kernel(*args, **outputs)
@@ -567,9 +571,12 @@ def _record(kernel, args: tuple, outputs: dict):
         kernel(*args, **outputs)
     finally:
         del _launch.RECORDERS[thread]
-    pool = (*args, *outputs.values())
+    buffers = [spec[0] for launch, spec in launches if launch is None]
+    pool = (*args, *outputs.values(), *buffers)
     plan = []
     for launch, tensors in launches:
+        if launch is None:
+            continue
         where = []
         for t in tensors:
             hits = [i for i, p in enumerate(pool) if p is t]
@@ -578,10 +585,13 @@ def _record(kernel, args: tuple, outputs: dict):
             where.append(hits[0])
         getter = operator.itemgetter(*where) if len(where) > 1 else (lambda pool, i=where[0]: (pool[i],))
         plan.append((launch, getter))
-    return tuple(plan)
+    return tuple(spec[1:] for launch, spec in launches if launch is None), tuple(plan)
 
 
-def _replay(launches, pool: tuple) -> None:
+def _replay(record, pool: tuple) -> None:
+    scratch, launches = record
+    if scratch:
+        pool = (*pool, *[torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in scratch])
     for launch, getter in launches:
         launch(*getter(pool))
 
