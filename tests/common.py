@@ -71,3 +71,17 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     if t.dtype.is_floating_point:
         return t.fill_(float("nan"))
     return t.fill_(-12345)
+
+
+def cached_entries(impl) -> list:
+    """The values cached by signature in a registered implementation of ``torch_sparse_mla._library``
+    (its ``_Validated`` map, read from the closure)."""
+    seen = next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, dict))
+    return list(seen.values())
+
+
+def records_split_launches(impl) -> bool:
+    """Whether an ``out`` implementation's cache holds a record of a split call: two launches (decode,
+    combine) and one scratch buffer (the workspace) by its size."""
+    records = [entry[1] for entry in cached_entries(impl) if entry[1] is not None]
+    return any(len(scratch) == 1 and len(launches) == 2 for scratch, launches in records)

@@ -20,7 +20,8 @@ import torch_sparse_mla
 from torch_sparse_mla.ops import sparse_mla as mla_ops
 from torch_sparse_mla.ops._formats import FORMAT_IDS, dequantize_torch, load_kv_tile
 
-from common import assert_no_recompiles, poison, requires_cuda, requires_interpreter, run_offline_compile
+from common import (assert_no_recompiles, poison, records_split_launches, requires_cuda, requires_interpreter,
+                    run_offline_compile)
 import formats_reference as fr
 
 _ops = torch.ops.sparse_mla
@@ -496,7 +497,6 @@ def test_triton_interpreter_recorded_split_launches():
     from torch_sparse_mla import _library
 
     impl = _library.IMPLS["sparse_mla_decode.out", "CUDA"]
-    seen = next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, dict))
     spec = Spec(kv_format="fp8_584", T=1, H=16, K=256, dtype=torch.float16, lengths=True, sink="finite")
     for seed in (1, 2, 3):
         kwargs = make_inputs(spec, seed=0, value_seed=seed)
@@ -504,8 +504,7 @@ def test_triton_interpreter_recorded_split_launches():
         out, lse = _outputs_like(kwargs)
         impl(*_positional(kwargs), out=out, lse=lse)
         assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
-    records = [entry[1] for entry in seen.values() if entry[1] is not None]
-    assert any(scratch and len(launches) == 2 for scratch, launches in records)  # decode + combine, one workspace
+    assert records_split_launches(impl)
 
 
 @requires_interpreter
