@@ -571,8 +571,8 @@ def _record(kernel, args: tuple, outputs: dict):
         kernel(*args, **outputs)
     finally:
         del _launch.RECORDERS[thread]
-    buffers = [spec[0] for launch, spec in launches if launch is None]
-    pool = (*args, *outputs.values(), *buffers)
+    scratch = [spec for launch, spec in launches if launch is None]  # (buffer, numel, dtype, device)
+    pool = (*args, *outputs.values(), *(spec[0] for spec in scratch))
     plan = []
     for launch, tensors in launches:
         if launch is None:
@@ -583,9 +583,8 @@ def _record(kernel, args: tuple, outputs: dict):
             if len(hits) != 1:
                 return None
             where.append(hits[0])
-        getter = operator.itemgetter(*where) if len(where) > 1 else (lambda pool, i=where[0]: (pool[i],))
-        plan.append((launch, getter))
-    return tuple(spec[1:] for launch, spec in launches if launch is None), tuple(plan)
+        plan.append((launch, _pick(tuple(where))))
+    return tuple(spec[1:] for spec in scratch), tuple(plan)
 
 
 def _replay(record, pool: tuple) -> None:
