@@ -71,6 +71,7 @@ def test_tables_and_plot(tmp_path):
     overhead = common.format_host_overhead(rows)
     assert "| `sparse_mla_decode` | fp8_656 H=128 K=2048 T=1 | 150.0 | 20.0 | 130.0 | 160.0 | 140.0 |" in overhead
     assert "insert" not in overhead, "only T = 1 rows"
+    assert overhead.splitlines()[2].endswith("| 150.0 |"), "one measurement: one value in the passes column"
     path = tmp_path / "bench.png"
     message = common.plot_roofline(rows, common.Peaks(800e12, 4e12, "given"), str(path), "test")
     try:
@@ -79,6 +80,29 @@ def test_tables_and_plot(tmp_path):
         assert "skipped" in message and not path.exists()
     else:
         assert path.stat().st_size > 0
+
+
+def test_remeasure_host_keeps_the_fastest_and_lists_each_pass(monkeypatch):
+    """Later eager passes over the T = 1 rows: each row keeps the fastest time (public and torch.ops)
+    and lists every measurement of the public function in the host-overhead table."""
+    from torch_sparse_mla import _library
+
+    times = iter([30.0, 41.0, 12.0, 43.0, 14.0, 45.0])  # public, torch.ops, alternating, 3 passes
+    seen_direct = []
+
+    def fake_eager(fn):
+        seen_direct.append(_library.DIRECT_CALLS)
+        return next(times)
+
+    monkeypatch.setattr(common, "eager_us", fake_eager)
+    row = _row("swa_indices T=1", "swa_indices", 0.0, 600.0, 3.0, 20.0, host=True)
+    case = common.Case(name="x", flops=0.0, bytes=1.0, run=lambda: None, reference=None)
+    common.remeasure_host([(case, row)], passes=3)
+    assert seen_direct == [True, False] * 3 and _library.DIRECT_CALLS
+    assert row["eager_us"] == 12.0 and row["eager_ops_us"] == 30.0
+    assert row["eager_passes"] == [20.0, 30.0, 12.0, 14.0]
+    line = common.format_host_overhead([row]).splitlines()[2]
+    assert line == "| `swa_indices` | swa_indices T=1 | 12.0 | 3.0 | 9.0 | 30.0 | 27.0 | 20.0 / 30.0 / 12.0 / 14.0 |"
 
 
 def test_bench_needs_a_gpu(capsys):

@@ -19,7 +19,8 @@ import sys
 
 import torch
 
-from torch_sparse_mla.bench.common import format_host_overhead, format_table, measure, measure_peaks, plot_roofline
+from torch_sparse_mla.bench.common import (HOST_PASSES, format_host_overhead, format_table, measure, measure_peaks,
+                                           plot_roofline, remeasure_host)
 
 FAMILIES = ("mla", "gqa", "metadata", "kv_cache")
 TITLES = {"mla": "sparse_mla_decode", "gqa": "sparse_gqa_decode", "metadata": "metadata operators",
@@ -71,21 +72,29 @@ def main(argv=None) -> int:
               f"{peaks.bytes / 1e12:.2f} TB/s and {peaks.flops / 1e12:.0f} bf16 TFLOP/s ({peaks.how}); "
               f"{args.calls_per_graph} call(s) per CUDA graph")
     print(header, flush=True)
-    sections, all_rows = [], []
+    family_rows, all_rows, host_rows = [], [], []
     for family in FAMILIES if args.family == "all" else (args.family,):
         module = importlib.import_module(f"torch_sparse_mla.bench.{family}")
         rows = []
         for case in module.cases(quick=args.quick):
             row = measure(case, peaks, args.calls_per_graph)
             rows.append(row)
+            if case.host_overhead:  # timed eagerly again at the end (remeasure_host)
+                host_rows.append((case, row))
             print(f"  {family}: {row['config']}: {row['us']:.1f} us graph, {row['eager_us']:.1f} us eager "
                   f"({row['roofline']:.0%} of roofline); reference {row['ref_us']:.1f} us {row['note']}", flush=True)
             del case
             torch.cuda.empty_cache()
         table = format_table(rows)
         print(f"\n### {TITLES[family]}\n\n{table}\n", flush=True)
-        sections.append(f"### {TITLES[family]}\n\n{table}\n")
+        family_rows.append((family, rows))
         all_rows += rows
+    if host_rows:
+        print(f"host overhead: {HOST_PASSES} more eager passes over the {len(host_rows)} T = 1 rows", flush=True)
+        remeasure_host(host_rows)
+        host_rows.clear()
+    # the family tables again: the T = 1 rows' eager column is now the fastest of all their measurements
+    sections = [f"### {TITLES[family]}\n\n{format_table(rows)}\n" for family, rows in family_rows]
     overhead = format_host_overhead(all_rows)
     print(f"\n### Host overhead (T = 1)\n\n{overhead}\n", flush=True)
     sections.append(f"### Host overhead (T = 1)\n\n{overhead}\n")

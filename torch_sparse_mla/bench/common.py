@@ -122,6 +122,33 @@ def eager_us(fn: Callable[[], object], calls: int = 200, loops: int = 10) -> flo
     return best
 
 
+HOST_PASSES = 3
+
+
+def remeasure_host(pending: list[tuple[Case, dict]], passes: int = HOST_PASSES) -> None:
+    """The eager times of the T = 1 rows again, in ``passes`` rounds over all of them once every
+    family has run. Other work on the host (the compile workers of the references, other processes)
+    only ever adds time, and it comes and goes over seconds: one operator's eager time taken at one
+    moment can be several µs above the same call's cost a minute later. Each row keeps the fastest of
+    its own measurement and of the passes as ``eager_us`` (and ``eager_ops_us``), and every value in
+    ``eager_passes`` (``eager_ops_passes``), so the table can show the spread."""
+    from torch_sparse_mla import _library
+
+    for _ in range(passes):
+        for case, row in pending:
+            t = eager_us(case.run)
+            row.setdefault("eager_passes", [row["eager_us"]]).append(t)
+            row["eager_us"] = min(row["eager_us"], t)
+            if "eager_ops_us" in row:
+                _library.DIRECT_CALLS = False
+                try:
+                    t = eager_us(case.run)
+                finally:
+                    _library.DIRECT_CALLS = True
+                row.setdefault("eager_ops_passes", [row["eager_ops_us"]]).append(t)
+                row["eager_ops_us"] = min(row["eager_ops_us"], t)
+
+
 def measure_peaks(peak_tflops: float | None, peak_tbps: float | None) -> Peaks:
     """The roofline's two ceilings: given (TFLOP/s, TB/s), or measured on this GPU: a 1 GiB
     device-to-device copy (bytes read + written per second) and an 8192^3 bf16 matmul."""
@@ -220,14 +247,17 @@ def format_table(rows: list[dict]) -> str:
 def format_host_overhead(rows: list[dict]) -> str:
     """Per operator at T = 1: eager time, graph time and their difference (the host's cost of one
     call when nothing hides it), for the public function (which skips the dispatcher in plain eager
-    calls) and for the same call through ``torch.ops.sparse_mla``."""
-    lines = ["| operator | config | eager µs | graph µs | host cost µs | eager µs, torch.ops | host cost µs, torch.ops |",
-             "|---|---|---|---|---|---|---|"]
+    calls) and for the same call through ``torch.ops.sparse_mla``; then the public function's eager
+    time in each measurement (:func:`remeasure_host`), of which the first column is the fastest."""
+    lines = ["| operator | config | eager µs | graph µs | host cost µs | eager µs, torch.ops | host cost µs, torch.ops "
+             "| eager µs, each pass |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r.get("host_overhead"):
             ops = r.get("eager_ops_us", float("nan"))
+            passes = " / ".join(f"{t:.1f}" for t in r.get("eager_passes", [r["eager_us"]]))
             lines.append(f"| `{r['operator']}` | {r['config']} | {r['eager_us']:.1f} | {r['us']:.1f} | "
-                         f"{r['eager_us'] - r['us']:.1f} | {ops:.1f} | {ops - r['us']:.1f} |")
+                         f"{r['eager_us'] - r['us']:.1f} | {ops:.1f} | {ops - r['us']:.1f} | {passes} |")
     return "\n".join(lines)
 
 
