@@ -13,6 +13,17 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+if os.environ.get("TSM_UNDER_SANITIZER") == "1":
+    # scripts/sanitize.sh memcheck-graphs: inductor's CUDA-graph trees check after each warm-up that
+    # every live block of their memory pool is a tracked output. Under compute-sanitizer that check
+    # also finds temporaries that Python has already freed during the warm-up (inductor's own
+    # L2-flush buffers of its autotuning, the split workspace of an attention call) and stops the
+    # test; without the sanitizer the same tests pass with the check on. Only this debugging check is
+    # turned off: the tests' own checks (replayed results, no skipped graph) all run. docs/testing.md.
+    import torch._inductor.config
+
+    torch._inductor.config.triton.slow_path_cudagraph_asserts = False
+
 
 def pytest_collection_modifyitems(config, items):
     """Mark the tests that capture CUDA graphs (``graphs``): their names say so. scripts/sanitize.sh
