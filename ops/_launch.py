@@ -112,8 +112,9 @@ class LaunchPlan:
 
     ``block_h`` query heads per program (``head_blocks`` programs cover the heads of a token or of a
     KV head's group), ``block_n`` keys per tile, the key list of each row split over ``num_splits``
-    programs (merged by a combine kernel when > 1), ``num_warps`` and ``num_stages`` for the compiler.
-    Launchers accept ``num_splits=`` and ``config={field: value}`` overrides (tests use them to reach
+    programs (merged by a combine kernel when > 1), ``num_warps`` and ``num_stages`` for the compiler;
+    ``transposed`` (sparse GQA only) the transposed tile products for a value cache, whose head block
+    would otherwise use per-warp key groups (``ops/sparse_gqa.py::key_groups``). Launchers accept ``num_splits=`` and ``config={field: value}`` overrides (tests use them to reach
     every path on small inputs, ``scripts/sweep_*.py`` to time alternatives).
     """
 
@@ -123,6 +124,7 @@ class LaunchPlan:
     num_splits: int
     num_warps: int
     num_stages: int
+    transposed: bool = False
 
     def with_overrides(self, config: dict | None) -> "LaunchPlan":
         if not config:

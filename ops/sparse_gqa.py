@@ -743,11 +743,12 @@ def _dot_dtype(q_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
 
 def key_groups(plan: LaunchPlan, head_dim: int, nvfp4: bool) -> int:
     """W, the key groups of a tile: 1 selects the transposed tile products (keys as the MMA's M: the
-    NVFP4 cache, whose decoding needs the registers, and blocks whose per-warp accumulator would be
-    large); otherwise one group per warp, as many as there are warps while every group keeps >= 16 keys
-    and a warp's accumulator ``[BLOCK_H, Dh]`` stays at 64 float32 registers per thread or fewer."""
+    NVFP4 cache, whose decoding needs the registers, blocks whose per-warp accumulator would be large,
+    and plans with ``transposed`` set, see :func:`launch_config`); otherwise one group per warp, as many
+    as there are warps while every group keeps >= 16 keys and a warp's accumulator ``[BLOCK_H, Dh]``
+    stays at 64 float32 registers per thread or fewer."""
     block_d = max(next_pow2(head_dim), 16)
-    if nvfp4 or plan.block_h * block_d > 2048:
+    if nvfp4 or plan.transposed or plan.block_h * block_d > 2048:
         return 1
     return max(1, min(plan.num_warps, plan.block_n // 16))
 
@@ -774,15 +775,19 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
     block_n = max(min(prev_pow2(page_size), 128 if nvfp4 else 64 if block_d <= 128 else 32), 16)
     dot = _dot_dtype(q.dtype, kv_cache)
 
+    programs = num_tokens * num_kv_heads * head_blocks
+    sms = num_sms or multiprocessor_count(q.device)
+    # Too few programs to fill the GPU: the page lists are split, and a value cache then uses the
+    # transposed tile products, whose smaller register footprint (126 registers per thread against
+    # 210 for the key groups, fp8 Dh=128 compiled for sm_90) fits more programs on an SM.
+    few_programs = 0 < programs < sms
     if num_splits is None:
-        programs = num_tokens * num_kv_heads * head_blocks
-        sms = num_sms or multiprocessor_count(q.device)
         num_splits = cdiv(n_sel, _MAX_PAGES_PER_PROGRAM)
-        if 0 < programs < sms:  # too few programs to fill the GPU: split the page lists
-            # About one program per SM for value caches, two for NVFP4 (more instructions per byte).
-            # Measured on an H200 (docs/sparse_gqa.md, "Split-K"): fp8 T=4 with 8 splits 17.6 us against
-            # 21.0 with 16, T=32 with 2 splits 38.7 us against 49.1 with 3.
-            per_sm = 2 if nvfp4 else 1
+        if few_programs:
+            # About two programs per SM for NVFP4, three for value caches. Measured on an H200
+            # (docs/sparse_gqa.md, "Split-K"): fp8 T=1 / 8 / 16 / 24 in 13.3 / 19.2 / 27.3 / 31.9 us
+            # against 14.7 / 20.9 / 29.7 / 36.7 with key groups and one program per SM.
+            per_sm = 2 if nvfp4 else 3
             num_splits = max(num_splits, min(cdiv(per_sm * sms, programs), n_sel))
     num_splits = min(max(num_splits, 1), _MAX_GRID_Y)
     per_split = max(cdiv(n_sel, num_splits), 1)
@@ -793,7 +798,8 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
         num_warps, num_stages = 4, 3
     else:
         num_warps, num_stages = (8, 2) if block_h >= 64 else (4, 2)
-    return LaunchPlan(block_h, head_blocks, block_n, num_splits, num_warps, num_stages)
+    return LaunchPlan(block_h, head_blocks, block_n, num_splits, num_warps, num_stages,
+                      transposed=few_programs and not nvfp4)
 
 
 def pages_per_split(n_sel: int, plan: LaunchPlan) -> int:

@@ -6,12 +6,14 @@
 #               with PyTorch's caching allocator left on: a capture cannot call cudaMalloc, which
 #               every allocation does with the cache off;
 #   racecheck - the CUDA tests of the kernels that use shared memory (sparse_mla_decode and
-#               sparse_gqa_decode: tl.dot stages its operands there): shared-memory data races.
+#               sparse_gqa_decode: tl.dot stages its operands there): shared-memory data races;
+#   synccheck - the same tests: invalid uses of barriers (divergent or mismatched __syncthreads-style
+#               barriers, and mbarrier misuse such as arrivals beyond the expected count).
 #
-#   bash scripts/sanitize.sh [memcheck|memcheck-graphs|racecheck|all] [test files or pytest arguments ...]
+#   bash scripts/sanitize.sh [memcheck|memcheck-graphs|racecheck|synccheck|all] [test files or pytest arguments ...]
 #
 # Without test arguments: memcheck runs tests/ (but the graph tests), memcheck-graphs the graph tests
-# of tests/, racecheck the two attention test files. Each
+# of tests/, racecheck and synccheck the two attention test files. Each
 # tool's log goes to $OUT (default ./sanitize_out) with its ERROR SUMMARY; the exit status is non-zero
 # when a tool reported an error or a test failed. Expect each tool to take 10-40x the plain run; pass
 # one test file at a time to keep a run short (see docs/testing.md for the per-file commands).
@@ -75,6 +77,9 @@ if [ "$WHAT" = memcheck-graphs ] || [ "$WHAT" = all ]; then
 fi
 if [ "$WHAT" = racecheck ] || [ "$WHAT" = all ]; then
   run_tool racecheck "cuda and not large" "$REPO/tests/test_sparse_mla.py" "$REPO/tests/test_sparse_gqa.py" || rc=1
+fi
+if [ "$WHAT" = synccheck ] || [ "$WHAT" = all ]; then
+  run_tool synccheck "cuda and not large" "$REPO/tests/test_sparse_mla.py" "$REPO/tests/test_sparse_gqa.py" || rc=1
 fi
 echo "summary ($OUT/summary.txt):"; cat "$OUT/summary.txt"
 exit $rc

@@ -65,7 +65,9 @@ def examples(n: int):
                                            HealthCheck.filter_too_much])
 
 
-BACKENDS = ["cpu"] + (["interpreter"] if INTERPRETER else []) + (["cuda"] if HAS_CUDA else [])
+# The cuda backend carries the `cuda` marker, so marker selections (scripts/sanitize.sh) include it.
+BACKENDS = (["cpu"] + (["interpreter"] if INTERPRETER else [])
+            + ([pytest.param("cuda", marks=pytest.mark.cuda)] if HAS_CUDA else []))
 backends = pytest.mark.parametrize("backend", BACKENDS)
 
 

@@ -811,6 +811,19 @@ def test_triton_interpreter_matches_reference(cfg, num_splits):
 
 
 @requires_interpreter
+@pytest.mark.parametrize("transposed", [False, True], ids=["key_groups", "transposed"])
+@pytest.mark.parametrize("cfg", INTERPRETER_CASES[:2], ids=lambda c: c.id)
+def test_triton_interpreter_tile_forms(cfg, transposed):
+    """Both tile forms of a value cache with a small head block (the plan picks one by batch size)."""
+    args, _ = make_inputs(cfg, seed=6)
+    for num_splits in (1, 3):
+        out = _out_buffer(args)
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits,
+                                         config=dict(transposed=transposed))
+        assert_matches_reference(out, args)
+
+
+@requires_interpreter
 def test_triton_interpreter_recorded_split_launches():
     """The ``out`` implementation registered for CUDA, through the interpreter: the first call of a
     split signature records the decode and combine launches and the workspace's size; later calls of
@@ -923,11 +936,31 @@ def test_launch_config_splits_small_batches():
     assert gqa_ops.launch_config(q, cache, 16, num_splits=100).num_splits == 16  # never an empty split
     nvfp4 = torch.empty(8, 8, 128, 72, dtype=torch.uint8)
     assert gqa_ops.launch_config(q, nvfp4, 16, num_sms=132).num_splits == small.num_splits
-    # About one program per SM for value caches, two for NVFP4 (measured on an H200, docs/sparse_gqa.md).
-    q4, q32 = torch.empty(4, 64, 128, dtype=BF16), torch.empty(32, 64, 128, dtype=BF16)
-    assert gqa_ops.launch_config(q4, cache, 16, num_sms=132).num_splits == 8  # 16 programs: cdiv(132, 16) = 9 -> 8
-    assert gqa_ops.launch_config(q32, cache, 16, num_sms=132).num_splits == 2  # 128 programs
+    # About three programs per SM for value caches, two for NVFP4 (measured on an H200, docs/sparse_gqa.md).
+    q8, q32 = torch.empty(8, 64, 128, dtype=BF16), torch.empty(32, 64, 128, dtype=BF16)
+    assert gqa_ops.launch_config(q8, cache, 16, num_sms=132).num_splits == 8  # 32 programs: cdiv(396, 32) = 13 -> 8
+    assert gqa_ops.launch_config(q32, cache, 16, num_sms=132).num_splits == 4  # 128 programs: cdiv(396, 128) = 4
     assert gqa_ops.launch_config(q32, nvfp4, 16, num_sms=132).num_splits == 3  # cdiv(264, 128) = 3
+
+
+def test_launch_config_tile_form():
+    """A value cache uses per-warp key groups where its programs fill the device and the transposed
+    products (fewer registers, more programs per SM) where the page lists are split to fill it; the
+    split count given by a caller does not change the form, and a plan override does."""
+    cache = torch.empty(8, 4, 128, 256, dtype=FP8)
+    nvfp4 = torch.empty(8, 8, 128, 72, dtype=torch.uint8)
+    few, many = torch.empty(8, 64, 128, dtype=BF16), torch.empty(64, 64, 128, dtype=BF16)  # 32 / 256 programs
+    for num_splits in (None, 1, 3):
+        plan = gqa_ops.launch_config(few, cache, 16, num_splits, num_sms=132)
+        assert plan.transposed and gqa_ops.key_groups(plan, 128, False) == 1
+        plan = gqa_ops.launch_config(many, cache, 16, num_splits, num_sms=132)
+        assert not plan.transposed and gqa_ops.key_groups(plan, 128, False) == 4
+    assert gqa_ops.key_groups(plan.with_overrides(dict(transposed=True)), 128, False) == 1
+    assert not gqa_ops.launch_config(few, nvfp4, 16, num_sms=132).transposed  # NVFP4 is transposed anyway
+    assert gqa_ops.key_groups(gqa_ops.launch_config(many, nvfp4, 16, num_sms=132), 128, True) == 1
+    wide = torch.empty(8, 64, 256, dtype=BF16)  # a [32, 256] head block: transposed for every batch size
+    wide_cache = torch.empty(8, 4, 128, 512, dtype=FP8)
+    assert gqa_ops.key_groups(gqa_ops.launch_config(wide, wide_cache, 16, num_sms=4), 256, False) == 1
 
 
 INTERPRETER_INSERT_CASES = [
@@ -1219,6 +1252,19 @@ def test_cuda_matches_reference(cfg, num_splits):
     gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits)
     assert_matches_reference(out, args)
     assert_matches_reference(_public(args), args)
+
+
+@requires_cuda
+@pytest.mark.parametrize("transposed", [False, True], ids=["key_groups", "transposed"])
+@pytest.mark.parametrize("cfg", [c for c in CUDA_CASES if c.kv_dtype != NVFP4], ids=lambda c: c.id)
+def test_cuda_tile_forms(cfg, transposed):
+    """Both tile forms of every value-cache case, unsplit and split (the plan picks one by batch size)."""
+    args, _ = make_inputs(cfg, seed=11, device="cuda")
+    for num_splits in (1, 4):
+        out = _out_buffer(args)
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits,
+                                         config=dict(transposed=transposed))
+        assert_matches_reference(out, args)
 
 
 @requires_cuda
