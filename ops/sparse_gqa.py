@@ -784,10 +784,12 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
     if num_splits is None:
         num_splits = cdiv(n_sel, _MAX_PAGES_PER_PROGRAM)
         if few_programs:
-            # About two programs per SM for NVFP4, three for value caches. Measured on an H200
-            # (docs/sparse_gqa.md, "Split-K"): fp8 T=1 / 8 / 16 / 24 in 13.3 / 19.2 / 27.3 / 31.9 us
-            # against 14.7 / 20.9 / 29.7 / 36.7 with key groups and one program per SM.
-            per_sm = 2 if nvfp4 else 3
+            # About two programs per SM for NVFP4, three for value caches with small head blocks (the
+            # ones that switch form). Measured on an H200 (docs/sparse_gqa.md, "Split-K"): fp8
+            # T=1 / 8 / 16 / 24 in 13.3 / 19.2 / 27.3 / 31.9 us against 14.7 / 20.9 / 29.7 / 36.7 with
+            # key groups and one program per SM. Large head blocks (transposed at every batch size,
+            # more registers per program) keep one per SM.
+            per_sm = 2 if nvfp4 else 3 if block_h * block_d <= 2048 else 1
             num_splits = max(num_splits, min(cdiv(per_sm * sms, programs), n_sel))
     num_splits = min(max(num_splits, 1), _MAX_GRID_Y)
     per_split = max(cdiv(n_sel, num_splits), 1)

@@ -941,6 +941,10 @@ def test_launch_config_splits_small_batches():
     assert gqa_ops.launch_config(q8, cache, 16, num_sms=132).num_splits == 8  # 32 programs: cdiv(396, 32) = 13 -> 8
     assert gqa_ops.launch_config(q32, cache, 16, num_sms=132).num_splits == 4  # 128 programs: cdiv(396, 128) = 4
     assert gqa_ops.launch_config(q32, nvfp4, 16, num_sms=132).num_splits == 3  # cdiv(264, 128) = 3
+    # A [16, 256] head block (transposed at every batch size) keeps about one program per SM.
+    wide = gqa_ops.launch_config(torch.empty(8, 64, 256, dtype=BF16), torch.empty(8, 4, 128, 512, dtype=FP8), 16,
+                                 num_sms=132)
+    assert wide.block_h * 256 > 2048 and wide.num_splits == 4  # 32 programs: cdiv(132, 32) = 5 -> 4
 
 
 def test_launch_config_tile_form():
