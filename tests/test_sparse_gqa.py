@@ -815,8 +815,12 @@ def test_triton_interpreter_matches_reference(cfg, num_splits):
 @pytest.mark.parametrize("cfg", INTERPRETER_CASES[:2], ids=lambda c: c.id)
 def test_triton_interpreter_tile_forms(cfg, transposed):
     """Both tile forms of a value cache with a small head block (the plan picks one by batch size)."""
-    args, _ = make_inputs(cfg, seed=6)
-    for num_splits in (1, 3):
+    assert_tile_form_matches(make_inputs(cfg, seed=6)[0], transposed, split_counts=(1, 3))
+
+
+def assert_tile_form_matches(args, transposed: bool, split_counts):
+    """The decode in one tile form (``LaunchPlan.transposed``) at each split count, against the reference."""
+    for num_splits in split_counts:
         out = _out_buffer(args)
         gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits,
                                          config=dict(transposed=transposed))
@@ -1263,12 +1267,7 @@ def test_cuda_matches_reference(cfg, num_splits):
 @pytest.mark.parametrize("cfg", [c for c in CUDA_CASES if c.kv_dtype != NVFP4], ids=lambda c: c.id)
 def test_cuda_tile_forms(cfg, transposed):
     """Both tile forms of every value-cache case, unsplit and split (the plan picks one by batch size)."""
-    args, _ = make_inputs(cfg, seed=11, device="cuda")
-    for num_splits in (1, 4):
-        out = _out_buffer(args)
-        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits,
-                                         config=dict(transposed=transposed))
-        assert_matches_reference(out, args)
+    assert_tile_form_matches(make_inputs(cfg, seed=11, device="cuda")[0], transposed, split_counts=(1, 4))
 
 
 @requires_cuda
