@@ -114,8 +114,9 @@ class LaunchPlan:
     KV head's group), ``block_n`` keys per tile, the key list of each row split over ``num_splits``
     programs (merged by a combine kernel when > 1), ``num_warps`` and ``num_stages`` for the compiler;
     ``transposed`` (sparse GQA only) the transposed tile products for a value cache, whose head block
-    would otherwise use per-warp key groups (``ops/sparse_gqa.py::key_groups``). Launchers accept ``num_splits=`` and ``config={field: value}`` overrides (tests use them to reach
-    every path on small inputs, ``scripts/sweep_*.py`` to time alternatives).
+    would otherwise use per-warp key groups (``ops/sparse_gqa.py::key_groups``). Launchers accept
+    ``num_splits=`` and ``config={field: value}`` overrides (tests use them to reach every path on
+    small inputs, ``scripts/sweep_*.py`` to time alternatives).
     """
 
     block_h: int

@@ -966,7 +966,7 @@ def test_launch_config_tile_form():
     assert gqa_ops.key_groups(plan.with_overrides(dict(transposed=True)), 128, False) == 1
     assert not gqa_ops.launch_config(few, nvfp4, 16, num_sms=132).transposed  # NVFP4 is transposed anyway
     assert gqa_ops.key_groups(gqa_ops.launch_config(many, nvfp4, 16, num_sms=132), 128, True) == 1
-    wide = torch.empty(8, 64, 256, dtype=BF16)  # a [32, 256] head block: transposed for every batch size
+    wide = torch.empty(8, 64, 256, dtype=BF16)  # a [16, 256] head block: transposed for every batch size
     wide_cache = torch.empty(8, 4, 128, 512, dtype=FP8)
     assert gqa_ops.key_groups(gqa_ops.launch_config(wide, wide_cache, 16, num_sms=4), 256, False) == 1
 
