@@ -16,9 +16,12 @@ from torch_sparse_mla.bench.common import graph_us
 from torch_sparse_mla.ops import sparse_gqa as ops
 
 # Decode variants: LaunchPlan overrides (block_n: keys per tile; value caches use one key group per
-# warp up to block_n / 16 groups) and split counts.
+# warp up to block_n / 16 groups, or the transposed products where `transposed` is set) and split
+# counts, each split count in the plan's own tile form and in both forms forced.
 DECODE_VARIANTS = {
     "default": {},
+    "keygroups": dict(transposed=False),
+    "transposed": dict(transposed=True),
     "bn128": dict(block_n=128),
     "bn64": dict(block_n=64),
     "w8": dict(num_warps=8),
@@ -27,7 +30,8 @@ DECODE_VARIANTS = {
     "s4": dict(num_stages=4),
     "bn128_s2": dict(block_n=128, num_stages=2),
 }
-SPLIT_VARIANTS = (1, 2, 4, 8, 16)
+SPLIT_VARIANTS = (1, 2, 3, 4, 6, 8, 16)
+FORMS = {"": {}, "_kg": dict(transposed=False), "_tr": dict(transposed=True)}
 INSERT_ROWS = (8, 16, 32, 64)
 
 
@@ -40,7 +44,7 @@ def sweep_decode(kv_format):
                                             seed=num_rows * 10 + decode_query_len, device="cuda")
             base = None
             variants = [(name, cfg, None) for name, cfg in DECODE_VARIANTS.items()]
-            variants += [(f"splits{s}", {}, s) for s in SPLIT_VARIANTS]
+            variants += [(f"splits{s}{form}", cfg, s) for s in SPLIT_VARIANTS for form, cfg in FORMS.items()]
             for name, cfg, splits in variants:
                 out = torch.empty_like(args[0])
 
@@ -55,7 +59,7 @@ def sweep_decode(kv_format):
                     continue
                 base = out.float() if base is None else base
                 err = ((out.float() - base).norm() / base.norm()).item()
-                print(f"{kv_format} T={num_rows:>3} q_len={decode_query_len} {name:>10}: {us:7.1f} us (diff {err:.1e})",
+                print(f"{kv_format} T={num_rows:>3} q_len={decode_query_len} {name:>12}: {us:7.1f} us (diff {err:.1e})",
                       flush=True)
 
 
