@@ -781,6 +781,8 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
     # transposed tile products, whose smaller register footprint (126 registers per thread against
     # 210 for the key groups, fp8 Dh=128 compiled for sm_90) fits more programs on an SM.
     few_programs = 0 < programs < sms
+    # A head block small enough for per-warp key groups (a warp's [BLOCK_H, Dh] accumulator stays small).
+    small_block = block_h * block_d <= 2048
     if num_splits is None:
         num_splits = cdiv(n_sel, _MAX_PAGES_PER_PROGRAM)
         if few_programs:
@@ -789,19 +791,19 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
             # T=1 / 8 / 16 / 24 in 13.3 / 19.2 / 27.3 / 31.9 us against 14.7 / 20.9 / 29.7 / 36.7 with
             # key groups and one program per SM. Large head blocks (transposed at every batch size,
             # more registers per program) keep one per SM.
-            per_sm = 2 if nvfp4 else 3 if block_h * block_d <= 2048 else 1
+            per_sm = 2 if nvfp4 else 3 if small_block else 1
             num_splits = max(num_splits, min(cdiv(per_sm * sms, programs), n_sel))
     num_splits = min(max(num_splits, 1), _MAX_GRID_Y)
     per_split = max(cdiv(n_sel, num_splits), 1)
     num_splits = max(cdiv(n_sel, per_split), 1)  # no empty split
     if dot == _DOT_FP32:  # float32 operands (a float16/bfloat16 mix, rare): small tiles, no prefetch
         block_n, num_warps, num_stages = 16, 4, 1
-    elif nvfp4 or block_h * block_d <= 2048:
+    elif nvfp4 or small_block:
         num_warps, num_stages = 4, 3
     else:
         num_warps, num_stages = (8, 2) if block_h >= 64 else (4, 2)
     return LaunchPlan(block_h, head_blocks, block_n, num_splits, num_warps, num_stages,
-                      transposed=few_programs and not nvfp4)
+                      transposed=few_programs and small_block and not nvfp4)
 
 
 def pages_per_split(n_sel: int, plan: LaunchPlan) -> int:

@@ -968,6 +968,8 @@ def test_launch_config_tile_form():
     assert gqa_ops.key_groups(gqa_ops.launch_config(many, nvfp4, 16, num_sms=132), 128, True) == 1
     wide = torch.empty(8, 64, 256, dtype=BF16)  # a [16, 256] head block: transposed for every batch size
     wide_cache = torch.empty(8, 4, 128, 512, dtype=FP8)
+    wide_plan = gqa_ops.launch_config(wide, wide_cache, 16, num_sms=132)  # few programs: the form does not switch
+    assert not wide_plan.transposed and gqa_ops.key_groups(wide_plan, 256, False) == 1
     assert gqa_ops.key_groups(gqa_ops.launch_config(wide, wide_cache, 16, num_sms=4), 256, False) == 1
 
 
