@@ -1,0 +1,29 @@
+"""Few-heads Hopper MLA kernel against the 64-head one on the same inputs (CUDA-graph replay, same process,
+alternating, best of two). Prints µs and the relative difference of the outputs."""
+import torch
+from torch_sparse_mla.bench import mla
+from torch_sparse_mla.bench.common import graph_us
+from torch_sparse_mla.ops.sparse_mla import sparse_mla_decode_triton
+
+names = ("q", "kv_cache", "indices", "softmax_scale", "kv_format", "head_dim_v", "topk_length", "attn_sink",
+         "extra_kv_cache", "extra_indices", "extra_topk_length")
+CONFIGS = [("fp8_656", 16, 2048, 0, t) for t in (1, 4, 16, 32, 64, 128, 256)] + [
+    ("fp8_656", 32, 2048, 0, 128), ("fp8_656", 20, 2048, 0, 128), ("fp8_656", 8, 2048, 0, 128),
+    ("fp8_584", 16, mla.WINDOW, 512, 128), ("fp8_584", 32, mla.WINDOW, 512, 128), ("auto", 16, 2048, 0, 64)]
+FORMS = {"few": None, "rows64": dict(transposed=False, block_h=64)}
+for kv_format, heads, k, k_extra, tokens in CONFIGS:
+    kwargs = mla._inputs(kv_format, heads, k, k_extra, tokens, "cuda")
+    call_args = [kwargs.get(n) for n in names]
+    res, outs = {f: [] for f in FORMS}, {}
+    for _ in range(2):
+        for form, cfg in FORMS.items():
+            out = torch.empty(tokens, heads, 512, dtype=torch.bfloat16, device="cuda")
+            lse = torch.empty(tokens, heads, dtype=torch.float32, device="cuda")
+
+            def run(out=out, lse=lse, cfg=cfg):
+                sparse_mla_decode_triton(*call_args, out=out, lse=lse, config=cfg)
+            res[form].append(graph_us(run))
+            outs[form] = out.float()
+    diff = ((outs["few"] - outs["rows64"]).norm() / outs["rows64"].norm()).item()
+    print(f"{kv_format} H={heads} K={k}+{k_extra} T={tokens}: few {min(res['few']):.1f}  rows64 "
+          f"{min(res['rows64']):.1f}  ({min(res['rows64']) / min(res['few']):.2f}x)  rel diff {diff:.1e}", flush=True)
