@@ -82,6 +82,9 @@ _ONE_BLOCK_CTAS = 64
 _WORKER_REGS = {"fp8_656": (200, 56), "fp8_584": (176, 80), "auto": (176, 80)}
 # The few-heads kernel (two warpgroups): registers per thread of its producer; its consumer gets the rest.
 _WORKER_REGS_T = 96
+# The producer's order per block (``_producer``, ``EARLY``): the next block's copies before this
+# block's conversion where the consumer outpaces the gathers (the few-heads kernel).
+_EARLY_ISSUE = {"rows": False, "few": True}
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -348,10 +351,16 @@ if HAS_GLUON:
         num_head_blocks, num_splits,
         knope, krope, scales, valid_smem, ready, empty,
         KV_FORMAT: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
-        HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr,
+        HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
     ):
         """Pipelined: block i + 1's copies (and block i + 2's slot ids) are in flight while the consumers
-        work on block i; block i is converted and handed over as soon as its bytes have landed."""
+        work on block i; block i is converted and handed over as soon as its bytes have landed.
+
+        ``EARLY``: once block i has landed, block i + 1's copies go out first (as soon as the consumers
+        are done with block i - 1) and block i is converted while they are in flight. That keeps the
+        copies going through the conversion, at the price of handing block i over only after the
+        consumers have finished block i - 1: right when the consumers are faster than the gathers
+        (the few-heads kernel), wrong when they are the bottleneck."""
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             gl.program_id(0), num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
@@ -373,21 +382,34 @@ if HAS_GLUON:
             stage = i % 2
             async_copy.wait_group(0)  # block i has landed
             _cta_barrier()  # every thread's copies (and scale stores) are visible to the partition
+            if EARLY:
+                if i + 1 < n:
+                    nxt = (i + 1) % 2
+                    mbarrier.wait(empty.index(nxt), (((i + 1) // 2) & 1) ^ 1)  # the consumers are done with i - 1
+                    _issue_block(blk_lo + i + 1, nxt, slots, t, nb_main, n_main, n_extra,
+                                 cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
+                                 stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
+                                 stride_xt, stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
+                    slots = _block_slots(blk_lo + i + 2, t, nb_main, n_main, n_extra,
+                                         cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
+                                         stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
+                                         xidx_ptr, stride_xt, stride_xk, HAS_EXTRA)
             if KV_FORMAT != 0:
                 _convert_block(stage, knope, scales, KV_FORMAT)
             fence_async_shared()
             mbarrier.arrive(ready.index(stage))
-            if i + 1 < n:
-                nxt = (i + 1) % 2
-                mbarrier.wait(empty.index(nxt), (((i + 1) // 2) & 1) ^ 1)  # the consumers are done with i - 1
-                _issue_block(blk_lo + i + 1, nxt, slots, t, nb_main, n_main, n_extra,
-                             cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                             stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
-                slots = _block_slots(blk_lo + i + 2, t, nb_main, n_main, n_extra,
-                                     cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
-                                     stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
-                                     stride_xt, stride_xk, HAS_EXTRA)
+            if not EARLY:
+                if i + 1 < n:
+                    nxt = (i + 1) % 2
+                    mbarrier.wait(empty.index(nxt), (((i + 1) // 2) & 1) ^ 1)  # the consumers are done with i - 1
+                    _issue_block(blk_lo + i + 1, nxt, slots, t, nb_main, n_main, n_extra,
+                                 cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                                 xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                                 stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
+                    slots = _block_slots(blk_lo + i + 2, t, nb_main, n_main, n_extra,
+                                         cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
+                                         stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
+                                         stride_xt, stride_xk, HAS_EXTRA)
 
     @gluon.jit
     def _ue8m0_to_bf16(e):
@@ -672,7 +694,7 @@ if HAS_GLUON:
         qk_scale, score_sign, lse_scale,  # softmax_factors(softmax_scale) of ops/sparse_mla.py
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        WORKER_REGS: gl.constexpr,
+        WORKER_REGS: gl.constexpr, EARLY: gl.constexpr,
     ):
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -717,7 +739,7 @@ if HAS_GLUON:
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
                           knope, krope, scales, valid_smem, ready, empty,
-                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
+                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT, EARLY))],
             [4, 4],
             WORKER_REGS,
         )
@@ -923,7 +945,7 @@ if HAS_GLUON:
         qk_scale, score_sign, lse_scale,
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        HB: gl.constexpr, WORKER_REGS: gl.constexpr,
+        HB: gl.constexpr, WORKER_REGS: gl.constexpr, EARLY: gl.constexpr,
     ):
         """The few-heads kernel: arguments as :func:`_sparse_mla_decode_hopper_kernel`, ``HB`` (16 or 32)
         heads per CTA. Shared memory: Q ``[HB, 576]``, the same two-stage ring, ``P^T`` (four copies for
@@ -956,7 +978,7 @@ if HAS_GLUON:
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
                           knope, krope, scales, valid_smem, ready, empty,
-                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
+                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT, EARLY))],
             [4],
             [WORKER_REGS],
         )
@@ -1052,10 +1074,10 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
                 HAS_SINK=attn_sink is not None, SPLIT=plan.num_splits > 1)
     if plan.transposed:
         kernel = _sparse_mla_decode_hopper_t_kernel
-        meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T)
+        meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T, EARLY=_EARLY_ISSUE["few"])
     else:
         kernel = _sparse_mla_decode_hopper_kernel
-        meta.update(WORKER_REGS=_WORKER_REGS[kv_format])
+        meta.update(WORKER_REGS=_WORKER_REGS[kv_format], EARLY=_EARLY_ISSUE["rows"])
     return KernelLaunch(kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args, meta, num_warps=4,
                         device=q.device)
 

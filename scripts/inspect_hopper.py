@@ -38,10 +38,10 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
                       stride_qd=1, stride_od=1)
     if heads == 64:
         fn = hopper._sparse_mla_decode_hopper_kernel
-        constexprs["WORKER_REGS"] = hopper._WORKER_REGS[kv_format]
+        constexprs.update(WORKER_REGS=hopper._WORKER_REGS[kv_format], EARLY=hopper._EARLY_ISSUE["rows"])
     else:
         fn = hopper._sparse_mla_decode_hopper_t_kernel
-        constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T)
+        constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T, EARLY=hopper._EARLY_ISSUE["few"])
     names = fn.arg_names
     cache_ty = "*bf16" if kv_format == "auto" else "*u8"
     pointer_types = {"q_ptr": "*bf16", "cache_ptr": cache_ty, "xcache_ptr": cache_ty, "idx_ptr": "*i32",
