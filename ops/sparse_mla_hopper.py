@@ -85,6 +85,15 @@ _WORKER_REGS_T = 96
 # The producer's order per block (``_producer``, ``EARLY``): the next block's copies before this
 # block's conversion where the consumer outpaces the gathers (the few-heads kernel).
 _EARLY_ISSUE = {"rows": False, "few": True}
+# fp8_656 at 16 heads per CTA: the raw-ring kernel (the producer only copies, three blocks in flight,
+# and the consumer converts) instead of the two converted stages. (At 32 heads only two raw slots fit
+# and its consumer spills 700+ bytes per thread: not used there.)
+_RAW_RING = True
+_RAW_SLOTS = 3
+
+
+def uses_raw_ring(kv_format: str, plan: LaunchPlan) -> bool:
+    return _RAW_RING and kv_format == "fp8_656" and plan.transposed and plan.block_h == 16
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -780,25 +789,42 @@ if HAS_GLUON:
         fence_async_shared()
 
     @gluon.jit
-    def _scores_t(qn, qr, kn, kr, scales, stage, HB: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
-        """``S^T = K Q^T`` of one ring stage, float32 ``[64 keys, HB]``; fp8_656 (``FOLD``) scales each
-        group's partial product by its per-key scale in float32, as the 64-head kernel does."""
+    def _scale_vec(sc, HB: gl.constexpr, SC_SMEM: gl.constexpr):
+        """The keys' scales of one group, float32 ``[64]``: ``sc`` itself, or loaded from the shared
+        memory row ``sc`` (``SC_SMEM``; loaded where used, so they take no registers across the MMAs)."""
+        if SC_SMEM:
+            S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HB, 16])
+            return sc.load(gl.SliceLayout(1, S_L))
+        else:
+            return sc
+
+    @gluon.jit
+    def _scores_t(qn, qr, kn, kr, sc0, sc1, sc2, sc3, HB: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr,
+                  SC_SMEM: gl.constexpr):
+        """``S^T = K Q^T`` of one K tile, float32 ``[64 keys, HB]``; fp8_656 (``FOLD``) scales scale group
+        ``g``'s partial product by the keys' scales ``sc<g>`` (see :func:`_scale_vec`) in float32, as the
+        64-head kernel does."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
-        KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
         zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
         if FOLD:
             acc = warpgroup_mma(kn.slice(0, 64, dim=1), qn.slice(0, 64, dim=1).permute((1, 0)), zero_s,
                                 use_acc=False, is_async=True)
             acc = warpgroup_mma(kn.slice(64, 64, dim=1), qn.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            s = acc * scales.index(stage * 4).load(KEYS)[:, None]
+            s = acc * _scale_vec(sc0, HB, SC_SMEM)[:, None]
             for g in gl.static_range(1, 4):
                 acc = warpgroup_mma(kn.slice(128 * g, 64, dim=1), qn.slice(128 * g, 64, dim=1).permute((1, 0)),
                                     acc, use_acc=False, is_async=True)
                 acc = warpgroup_mma(kn.slice(128 * g + 64, 64, dim=1),
                                     qn.slice(128 * g + 64, 64, dim=1).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma_wait(0, deps=(acc,))
-                s = s + acc * scales.index(stage * 4 + g).load(KEYS)[:, None]
+                if g == 1:
+                    s = s + acc * _scale_vec(sc1, HB, SC_SMEM)[:, None]
+                elif g == 2:
+                    s = s + acc * _scale_vec(sc2, HB, SC_SMEM)[:, None]
+                else:
+                    s = s + acc * _scale_vec(sc3, HB, SC_SMEM)[:, None]
             s = warpgroup_mma(kr, qr.permute((1, 0)), s, is_async=True)
         else:
             if D == 576:
@@ -813,6 +839,45 @@ if HAS_GLUON:
                     s = warpgroup_mma(kn.slice(64 * c, 64, dim=1), qn.slice(64 * c, 64, dim=1).permute((1, 0)), s,
                                       is_async=True)
         return warpgroup_mma_wait(0, deps=(s,))
+
+    @gluon.jit
+    def _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i, qk_scale, score_sign,
+                  HB: gl.constexpr, FOLD: gl.constexpr, SC_SMEM: gl.constexpr):
+        """One block of the few-heads kernels after ``S^T``: the overflow-safe online softmax of the
+        64-head kernel down the columns (the keys), ``P^T`` to shared memory (bf16; fp8_656: one copy
+        per scale group, each rounded once from ``P * s_g`` in float32) and ``O^T += V^T P^T``, with V
+        the K tile read transposed. Returns ``(o0, o1, o2, o3, m_i, l_i)``; the MMAs have completed."""
+        u = s * score_sign
+        u = gl.where(u == u, gl.minimum(gl.maximum(u, -_FLT_MAX), _FLT_MAX), -_FLT_MAX)
+        u = gl.where(valid[:, None], u, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(u, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
+        p = gl.exp2((u - m_use[None, :]) * qk_scale)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        if FOLD:
+            pt_smem.index(0).store((p * _scale_vec(sc0, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt_smem.index(1).store((p * _scale_vec(sc1, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt_smem.index(2).store((p * _scale_vec(sc2, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt_smem.index(3).store((p * _scale_vec(sc3, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+        else:
+            pt_smem.index(0).store(p.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()  # every warp's part of P^T is stored before any warp's MMA reads it
+        a = alpha[None, :]
+        if FOLD:
+            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt_smem.index(0), o0 * a, is_async=True)
+            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt_smem.index(1), o1 * a, is_async=True)
+            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt_smem.index(2), o2 * a, is_async=True)
+            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt_smem.index(3), o3 * a, is_async=True)
+        else:
+            pt = pt_smem.index(0)
+            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt, o0 * a, is_async=True)
+            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt, o1 * a, is_async=True)
+            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt, o2 * a, is_async=True)
+            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt, o3 * a, is_async=True)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        return o0, o1, o2, o3, m_new, l_i
 
     @gluon.jit
     def _epilogue_t(o, g: gl.constexpr, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh,
@@ -880,40 +945,15 @@ if HAS_GLUON:
             stage = i % 2
             mbarrier.wait(ready.index(stage), (i // 2) & 1)
             kn = knope.index(stage)
-            s = _scores_t(qn, qr, kn, krope.index(stage), scales, stage, HB, FOLD, D)
-            # The overflow-safe softmax of the 64-head kernel, over axis 0 (the keys).
             valid = valid_smem.index(stage).load(KEYS) != 0
-            u = s * score_sign
-            u = gl.where(u == u, gl.minimum(gl.maximum(u, -_FLT_MAX), _FLT_MAX), -_FLT_MAX)
-            u = gl.where(valid[:, None], u, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(u, axis=0))
-            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
-            alpha = gl.exp2((m_i - m_use) * qk_scale)
-            p = gl.exp2((u - m_use[None, :]) * qk_scale)
-            l_i = l_i * alpha + gl.sum(p, axis=0)
-            m_i = m_new
-            # P^T is the B operand: to shared memory (bf16; fp8_656: one copy per scale group, each
-            # rounded once from P * s_g in float32), then every warp's part fenced and stored.
-            if FOLD:
-                for g in gl.static_range(4):
-                    pt_smem.index(g).store((p * scales.index(stage * 4 + g).load(KEYS)[:, None]).to(gl.bfloat16))
-            else:
-                pt_smem.index(0).store(p.to(gl.bfloat16))
-            fence_async_shared()
-            _cta_barrier()
-            a = alpha[None, :]
-            if FOLD:
-                o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt_smem.index(0), o0 * a, is_async=True)
-                o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt_smem.index(1), o1 * a, is_async=True)
-                o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt_smem.index(2), o2 * a, is_async=True)
-                o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt_smem.index(3), o3 * a, is_async=True)
-            else:
-                pt = pt_smem.index(0)
-                o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt, o0 * a, is_async=True)
-                o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt, o1 * a, is_async=True)
-                o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt, o2 * a, is_async=True)
-                o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt, o3 * a, is_async=True)
-            o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+            # the scale rows of the stage (fp8_656; other formats do not read them)
+            sc0 = scales.index(stage * 4)
+            sc1 = scales.index(stage * 4 + 1)
+            sc2 = scales.index(stage * 4 + 2)
+            sc3 = scales.index(stage * 4 + 3)
+            s = _scores_t(qn, qr, kn, krope.index(stage), sc0, sc1, sc2, sc3, HB, FOLD, D, True)
+            o0, o1, o2, o3, m_i, l_i = _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i,
+                                                 qk_scale, score_sign, HB, FOLD, True)
             mbarrier.arrive(empty.index(stage))  # after the partition's barrier: every warp is done
         _epilogue_t(o0, 0, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
                     lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
@@ -979,6 +1019,229 @@ if HAS_GLUON:
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
                           knope, krope, scales, valid_smem, ready, empty,
                           KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT, EARLY))],
+            [4],
+            [WORKER_REGS],
+        )
+
+    # -------------------------------------------------------------------------------------------------
+    # few heads, fp8_656: a ring of raw records, converted by the consumer
+    # -------------------------------------------------------------------------------------------------
+    # With 16 heads the consumer's MMAs are a quarter of the 64-head kernel's, so the gathers bound the
+    # kernel, and a ring of two converted stages keeps only one block of gathers in flight. Here the
+    # producer only copies: NRAW blocks of raw 656-byte records in flight (e4m3 bytes, rope dims, scales),
+    # and the consumer converts one into the single bf16 tile just before its MMAs.
+
+    @gluon.jit
+    def _issue_raw(
+        blk, b, slot_ids, t, nb_main, n_main, n_extra,
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
+        raw, rope_raw, scales_raw, valid_raw, HAS_EXTRA: gl.constexpr,
+    ):
+        """Start the copies of fp8_656 block ``blk`` into raw slot ``b`` (cp.async, one commit group):
+        the e4m3 bytes as 8 chunks of ``[64 keys, 64 bytes]``, the rope dims, the four scales; and store
+        the keys' validity. Invalid keys copy nothing and read as zeros."""
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        ROWS16: gl.constexpr = gl.SliceLayout(1, G16)
+        c_ptr, c_sp, c_sr, c_ps, c_ns, i_ptr, i_st, n_used, first = _block_list(
+            blk, t, nb_main, n_main, n_extra, cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr,
+            stride_it, stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+            stride_xk, HAS_EXTRA)
+        slot = slot_ids.to(gl.int64)
+        valid = (slot >= 0) & (slot < c_ns)
+        slot = gl.where(valid, slot, 0)
+        page = slot // c_ps
+        row = slot - page * c_ps
+        valid_raw.index(b).store(valid.to(gl.int8))
+        vmask8 = valid[:, None]
+        vmask16 = gl.convert_layout(valid, ROWS16)[:, None]
+        cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
+        cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
+        rbase = page * c_sp + row * 656
+        ptrs = c_ptr + rbase[:, None] + cols8[None, :]
+        for c in gl.static_range(8):
+            async_copy.async_copy_global_to_shared(raw.index(8 * b + c), ptrs + 64 * c, mask=vmask8)
+        rope_base = gl.convert_layout(rbase + 528, ROWS16)
+        rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+        async_copy.async_copy_global_to_shared(rope_raw.index(b), rope_ptrs, mask=vmask16)
+        sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
+        for g in gl.static_range(4):
+            async_copy.async_copy_global_to_shared(scales_raw.index(b * 4 + g), sc_ptr + g, mask=valid)
+        async_copy.commit_group()
+
+    @gluon.jit
+    def _producer_r(
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots,
+        idx_ptr, stride_it, stride_ik,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
+        xidx_ptr, stride_xt, stride_xk,
+        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+        num_head_blocks, num_splits,
+        raw, rope_raw, scales_raw, valid_raw, landed, free,
+        NRAW: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
+        SPLIT: gl.constexpr,
+    ):
+        """Copies only: keeps ``NRAW`` blocks in flight. Block ``j`` goes to raw slot ``j % NRAW`` once the
+        consumer has converted block ``j - NRAW`` out of it, and ``landed`` says when it is there."""
+        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
+            gl.program_id(0), num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        n = blk_hi - blk_lo
+        slots = _block_slots(blk_lo, t, nb_main, n_main, n_extra,
+                             cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                             stride_xk, HAS_EXTRA)
+        for j0 in gl.static_range(NRAW - 1):  # blocks 0 .. NRAW - 2 into fresh slots
+            if j0 < n:
+                _issue_raw(blk_lo + j0, j0, slots, t, nb_main, n_main, n_extra,
+                           cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                           stride_xk, raw, rope_raw, scales_raw, valid_raw, HAS_EXTRA)
+            slots = _block_slots(blk_lo + j0 + 1, t, nb_main, n_main, n_extra,
+                                 cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
+                                 stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
+                                 stride_xt, stride_xk, HAS_EXTRA)
+        for j in range(0, n):
+            nxt = j + NRAW - 1
+            if nxt < n:
+                bn = nxt % NRAW
+                # slot bn held block nxt - NRAW = j - 1 (first use: the wait passes)
+                mbarrier.wait(free.index(bn), ((nxt // NRAW) & 1) ^ 1)
+                _issue_raw(blk_lo + nxt, bn, slots, t, nb_main, n_main, n_extra,
+                           cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                           stride_xk, raw, rope_raw, scales_raw, valid_raw, HAS_EXTRA)
+                slots = _block_slots(blk_lo + nxt + 1, t, nb_main, n_main, n_extra,
+                                     cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
+                                     stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
+                                     stride_xt, stride_xk, HAS_EXTRA)
+                async_copy.wait_group(NRAW - 1)  # block j has landed (the NRAW - 1 after it may not)
+            else:
+                async_copy.wait_group(0)
+            _cta_barrier()  # every thread's copies (and validity stores) are visible to the partition
+            mbarrier.arrive(landed.index(j % NRAW))
+
+    @gluon.jit
+    def _convert_raw(raw, b, kn):
+        """The e4m3 bytes of raw slot ``b`` into the bf16 tile ``kn`` ``[64 keys, 512]`` (values unscaled)."""
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        for c in gl.static_range(8):
+            kn.slice(64 * c, 64, dim=1).store(_e4m3_to_bf16(raw.index(8 * b + c).load(G8)))
+
+    @gluon.jit
+    def _consumer_r(
+        q_ptr, stride_qt, stride_qh, stride_qd,
+        qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, pt_smem, landed, free,
+        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
+        HB: gl.constexpr, NRAW: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """Per block: wait for its raw slot, convert it into the bf16 tile (and take the scales, validity
+        and rope dims), free the slot, then the few-heads block of :func:`_attend_t`."""
+        pid = gl.program_id(0)
+        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
+            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        _load_q_t(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB, 576)
+        _cta_barrier()
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
+        HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        o0 = gl.zeros([128, HB], gl.float32, layout=S_L)
+        o1 = gl.zeros([128, HB], gl.float32, layout=S_L)
+        o2 = gl.zeros([128, HB], gl.float32, layout=S_L)
+        o3 = gl.zeros([128, HB], gl.float32, layout=S_L)
+        m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
+        l_i = gl.zeros([HB], gl.float32, layout=HEADS)
+        for blk in range(blk_lo, blk_hi):
+            j = blk - blk_lo
+            b = j % NRAW
+            mbarrier.wait(landed.index(b), (j // NRAW) & 1)
+            # the previous block's MMAs have completed (_attend_t waits for them): the tile is free
+            _convert_raw(raw, b, kn)
+            kr.store(rope_raw.index(b).load(G16))
+            valid = valid_raw.index(b).load(KEYS) != 0
+            sc0 = scales_raw.index(b * 4).load(KEYS)
+            sc1 = scales_raw.index(b * 4 + 1).load(KEYS)
+            sc2 = scales_raw.index(b * 4 + 2).load(KEYS)
+            sc3 = scales_raw.index(b * 4 + 3).load(KEYS)
+            fence_async_shared()  # the tile's stores before the MMAs read it
+            mbarrier.arrive(free.index(b))  # after the partition's barrier: every warp has read the slot
+            s = _scores_t(qn, qr, kn, kr, sc0, sc1, sc2, sc3, HB, True, 576, False)
+            o0, o1, o2, o3, m_i, l_i = _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i,
+                                                 qk_scale, score_sign, HB, True, False)
+        _epilogue_t(o0, 0, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
+                    lse_scale, HB, HAS_SINK, SPLIT)
+        _epilogue_t(o1, 1, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
+                    lse_scale, HB, HAS_SINK, SPLIT)
+        _epilogue_t(o2, 2, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
+                    lse_scale, HB, HAS_SINK, SPLIT)
+        _epilogue_t(o3, 3, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
+                    lse_scale, HB, HAS_SINK, SPLIT)
+
+    @gluon.jit(do_not_specialize=("topk", "x_topk"))
+    def _sparse_mla_decode_hopper_r_kernel(
+        q_ptr, stride_qt, stride_qh, stride_qd,
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots,
+        idx_ptr, stride_it, stride_ik, topk,
+        len_ptr, stride_len,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
+        xidx_ptr, stride_xt, stride_xk, x_topk,
+        xlen_ptr, stride_xlen,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits,
+        qk_scale, score_sign, lse_scale,
+        KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        HB: gl.constexpr, WORKER_REGS: gl.constexpr, NRAW: gl.constexpr,
+    ):
+        """The few-heads kernel with a raw ring (fp8_656 only): arguments as the other kernels, ``NRAW``
+        raw slots of 64 records (42 KB each) and one bf16 tile."""
+        SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
+        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        qn = gl.allocate_shared_memory(gl.bfloat16, [HB, 512], SL)
+        qr = gl.allocate_shared_memory(gl.bfloat16, [HB, 64], SL)
+        kn = gl.allocate_shared_memory(gl.bfloat16, [_BN, 512], SL)
+        kr = gl.allocate_shared_memory(gl.bfloat16, [_BN, 64], SL)
+        raw = gl.allocate_shared_memory(gl.uint8, [NRAW * 8, _BN, 64], RAW)  # chunk c of slot b at 8 b + c
+        rope_raw = gl.allocate_shared_memory(gl.bfloat16, [NRAW, _BN, 64], SL)
+        scales_raw = gl.allocate_shared_memory(gl.float32, [NRAW * 4, _BN], VL1)
+        valid_raw = gl.allocate_shared_memory(gl.int8, [NRAW, _BN], VL1)
+        pt_smem = gl.allocate_shared_memory(gl.bfloat16, [4, _BN, HB], PL)
+        landed = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
+        for r in gl.static_range(NRAW):
+            mbarrier.init(landed.index(r), count=1)  # the producer partition
+            mbarrier.init(free.index(r), count=1)  # the consumer partition
+        fence_async_shared()
+        gl.warp_specialize(
+            [(_consumer_r, (q_ptr, stride_qt, stride_qh, stride_qd,
+                            qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, pt_smem, landed, free,
+                            len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+                            sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                            stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
+                            score_sign, lse_scale, HB, NRAW, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+             (_producer_r, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                            xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                            stride_xk, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks,
+                            num_splits, raw, rope_raw, scales_raw, valid_raw, landed, free,
+                            NRAW, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
             [4],
             [WORKER_REGS],
         )
@@ -1072,7 +1335,10 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
                 HAS_SINK=attn_sink is not None, SPLIT=plan.num_splits > 1)
-    if plan.transposed:
+    if uses_raw_ring(kv_format, plan):
+        kernel = _sparse_mla_decode_hopper_r_kernel
+        meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T, NRAW=_RAW_SLOTS)
+    elif plan.transposed:
         kernel = _sparse_mla_decode_hopper_t_kernel
         meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T, EARLY=_EARLY_ISSUE["few"])
     else:
