@@ -94,6 +94,9 @@ _RAW_SLOTS = 3
 
 def uses_raw_ring(kv_format: str, plan: LaunchPlan) -> bool:
     return _RAW_RING and kv_format == "fp8_656" and plan.transposed and plan.block_h == 16
+# The 64-head kernel's P hand-off on named barriers met by both consumer warpgroups (True) or on
+# mbarriers (False, as on main); see _named_barrier.
+_NAMED_HANDOFF = False
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -132,6 +135,21 @@ if HAS_GLUON:
     """)
 
     _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
+
+    # The P hand-off between the two consumer warpgroups meets on two named hardware barriers of 256
+    # threads (ids 8 and 9, above the ones warp specialisation uses, 0-3): each side's every thread
+    # waits at both, in the same order (free, ready, free, ...), so each meeting orders every access
+    # before it, in either warpgroup, before every access after it (``bar.sync``). With an mbarrier
+    # (Gluon's arrive is one thread's, after its warpgroup's barrier) or ``bar.arrive`` the order is
+    # the same but racecheck does not follow it (docs/testing.md).
+    _P_READY = gl.constexpr("bar.sync 8, 256;\n\tmov.b32 $0, $1;")
+    _P_FREE = gl.constexpr("bar.sync 9, 256;\n\tmov.b32 $0, $1;")
+
+    @gluon.jit
+    def _named_barrier(ASM: gl.constexpr):
+        """``ASM`` (a named barrier) executed once by each thread of a 4-warp partition."""
+        one = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        gl.inline_asm_elementwise(ASM, "=r,r", [one], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _e4m3_to_bf16(raw):
@@ -434,7 +452,7 @@ if HAS_GLUON:
     @gluon.jit
     def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale, score_sign,
                 p_smem, stat_smem, p_ready, p_free, i,
-                K0: gl.constexpr, NK: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
+                K0: gl.constexpr, NK: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, NAMED: gl.constexpr):
         """First consumer: online softmax over keys ``[K0, K0 + NK)`` of a ring stage, ``(o0, o1, m_i,
         l_i)`` of dims 0..255 updated; ``P`` and the rescale factor of block ``i`` handed to the second
         consumer."""
@@ -489,12 +507,18 @@ if HAS_GLUON:
         # Hand-off: wait until the second consumer is done with the previous block's P, store this one
         # (fp16 when it is scaled per group again there, bf16 when it is the MMA operand as it is), and
         # arrive once every thread's part is stored (the arrive is one thread's).
-        mbarrier.wait(p_free, (i & 1) ^ 1)
+        if NAMED:
+            _named_barrier(_P_FREE)
+        else:
+            mbarrier.wait(p_free, (i & 1) ^ 1)
         p_smem.store(p.to(p_smem.dtype))
         stat_smem.index(0).store(alpha)
         fence_async_shared()
-        _cta_barrier()
-        mbarrier.arrive(p_ready)
+        if NAMED:
+            _named_barrier(_P_READY)
+        else:
+            _cta_barrier()
+            mbarrier.arrive(p_ready)
         if FOLD:
             o0, o1 = _pv_scaled(p, scales, stage * 4, keys, o0, o1, alpha_o, 0, COLS, P_L)
         else:
@@ -528,6 +552,7 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
         FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        NAMED: gl.constexpr,
     ):
         """First consumer: stages Q, then ``Q K^T``, the softmax, the hand-off of P, and output dims
         0..255 (and lse). Q is its own operand only, so it is loaded here, while the producer already
@@ -558,14 +583,21 @@ if HAS_GLUON:
             kr = krope.index(stage)
             for k0 in gl.static_range(0, _BN, NK):
                 o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                                           score_sign, p_smem, stat_smem, p_ready, p_free, i, k0, NK, FOLD, D)
+                                           score_sign, p_smem, stat_smem, p_ready, p_free, i, k0, NK, FOLD, D,
+                                           NAMED)
             mbarrier.arrive(empty.index(stage))
         # The final statistics, for the second consumer's epilogue (one more hand-off).
-        mbarrier.wait(p_free, ((blk_hi - blk_lo) & 1) ^ 1)
+        if NAMED:
+            _named_barrier(_P_FREE)
+        else:
+            mbarrier.wait(p_free, ((blk_hi - blk_lo) & 1) ^ 1)
         stat_smem.index(0).store(m_i)
         stat_smem.index(1).store(l_i)
-        _cta_barrier()
-        mbarrier.arrive(p_ready)
+        if NAMED:
+            _named_barrier(_P_READY)
+        else:
+            _cta_barrier()
+            mbarrier.arrive(p_ready)
         _epilogue(o0, o1,
                   gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
                   pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
@@ -582,6 +614,7 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, lse_scale,
         FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        NAMED: gl.constexpr,
     ):
         """Second consumer: no ``Q K^T`` of its own. Per block it takes the first consumer's P and rescale
         factor, rescales its half of O and adds ``P V`` for output dims 256..511."""
@@ -597,11 +630,16 @@ if HAS_GLUON:
         ROWS_O: gl.constexpr = gl.SliceLayout(1, O_L)
         o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256, 384)
         o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [384, 512)
+        if NAMED:
+            _named_barrier(_P_FREE)  # P's buffer starts free (the first consumer meets this before block 0)
         for blk in range(blk_lo, blk_hi):
             i = blk - blk_lo
             stage = i % 2
             mbarrier.wait(ready.index(stage), (i // 2) & 1)
-            mbarrier.wait(p_ready, i & 1)
+            if NAMED:
+                _named_barrier(_P_READY)
+            else:
+                mbarrier.wait(p_ready, i & 1)
             alpha = stat_smem.index(0).load(ROWS_O)[:, None]
             kn = knope.index(stage)
             if FOLD:
@@ -611,10 +649,17 @@ if HAS_GLUON:
                 o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
                 o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
-            _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
-            mbarrier.arrive(p_free)
-            mbarrier.arrive(empty.index(stage))
-        mbarrier.wait(p_ready, (blk_hi - blk_lo) & 1)
+            if NAMED:
+                mbarrier.arrive(empty.index(stage))
+                _named_barrier(_P_FREE)
+            else:
+                _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
+                mbarrier.arrive(p_free)
+                mbarrier.arrive(empty.index(stage))
+        if NAMED:
+            _named_barrier(_P_READY)
+        else:
+            mbarrier.wait(p_ready, (blk_hi - blk_lo) & 1)
         m_o = stat_smem.index(0).load(ROWS_O)
         l_o = stat_smem.index(1).load(ROWS_O)
         _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
@@ -703,7 +748,7 @@ if HAS_GLUON:
         qk_scale, score_sign, lse_scale,  # softmax_factors(softmax_scale) of ops/sparse_mla.py
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        WORKER_REGS: gl.constexpr, EARLY: gl.constexpr,
+        WORKER_REGS: gl.constexpr, EARLY: gl.constexpr, NAMED: gl.constexpr,
     ):
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -737,13 +782,13 @@ if HAS_GLUON:
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-                          FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+                          FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, NAMED)),
              (_consumer_pv, (knope, scales, ready, empty, p_smem, stat_smem, p_ready, p_free,
                              len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                              sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                              stride_lh,
                              ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
-                             FOLD, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+                             FOLD, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, NAMED)),
              (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
@@ -1343,7 +1388,7 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
         meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T, EARLY=_EARLY_ISSUE["few"])
     else:
         kernel = _sparse_mla_decode_hopper_kernel
-        meta.update(WORKER_REGS=_WORKER_REGS[kv_format], EARLY=_EARLY_ISSUE["rows"])
+        meta.update(WORKER_REGS=_WORKER_REGS[kv_format], EARLY=_EARLY_ISSUE["rows"], NAMED=_NAMED_HANDOFF)
     return KernelLaunch(kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args, meta, num_warps=4,
                         device=q.device)
 

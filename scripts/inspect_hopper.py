@@ -38,7 +38,8 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
                       stride_qd=1, stride_od=1)
     if heads == 64:
         fn = hopper._sparse_mla_decode_hopper_kernel
-        constexprs.update(WORKER_REGS=hopper._WORKER_REGS[kv_format], EARLY=hopper._EARLY_ISSUE["rows"])
+        constexprs.update(WORKER_REGS=hopper._WORKER_REGS[kv_format], EARLY=hopper._EARLY_ISSUE["rows"],
+                          NAMED=hopper._NAMED_HANDOFF)
     elif kv_format == "fp8_656" and hopper._RAW_RING and heads == 16:
         fn = hopper._sparse_mla_decode_hopper_r_kernel
         constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T, NRAW=hopper._RAW_SLOTS)
