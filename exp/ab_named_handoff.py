@@ -3,6 +3,7 @@ import torch
 from torch_sparse_mla.bench import mla
 from torch_sparse_mla.bench.common import graph_us
 from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+from torch_sparse_mla.ops import sparse_mla as mla_ops
 from torch_sparse_mla.ops.sparse_mla import sparse_mla_decode_triton
 names = ("q", "kv_cache", "indices", "softmax_scale", "kv_format", "head_dim_v", "topk_length", "attn_sink",
          "extra_kv_cache", "extra_indices", "extra_topk_length")
@@ -15,6 +16,7 @@ for label, kv_format, num_heads, k, k_extra, num_tokens in list(mla.CONFIGS) + e
     for rnd in range(2):
         for named in (True, False):
             hopper._NAMED_HANDOFF = named
+            mla_ops._PLANS.clear()  # the plan cache keys on shapes, not on the switch
             out = torch.empty(num_tokens, num_heads, 512, dtype=torch.bfloat16, device="cuda")
             lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device="cuda")
             def run(out=out, lse=lse):
@@ -25,4 +27,4 @@ for label, kv_format, num_heads, k, k_extra, num_tokens in list(mla.CONFIGS) + e
     print(f"{kv_format} H={num_heads} K={k}+{k_extra} T={num_tokens}: named {min(res[True]):.1f} "
           f"({', '.join(f'{x:.1f}' for x in res[True])})  mbar {min(res[False]):.1f} "
           f"({', '.join(f'{x:.1f}' for x in res[False])})  bitwise_equal={same}", flush=True)
-hopper._NAMED_HANDOFF = True
+hopper._NAMED_HANDOFF = False
