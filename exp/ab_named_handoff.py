@@ -1,6 +1,7 @@
 """The 64-head Hopper MLA kernel: main's form (mbarrier hand-off, convert then issue) against the P hand-off on
-named barriers and against the producer issuing before converting (EARLY). CUDA-graph replay, same
-process, alternating, best of two; outputs compared bitwise with main's form."""
+named barriers, the producer issuing before converting (EARLY) and, for fp8_584, the raw ring (the
+consumers convert). CUDA-graph replay, same process, alternating, best of two; outputs compared bitwise
+with main's form."""
 import torch
 from torch_sparse_mla.bench import mla
 from torch_sparse_mla.bench.common import graph_us
@@ -12,15 +13,17 @@ names = ("q", "kv_cache", "indices", "softmax_scale", "kv_format", "head_dim_v",
          "extra_kv_cache", "extra_indices", "extra_topk_length")
 extra = [("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 16), ("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 2),
          ("V4", "fp8_584", 64, mla.WINDOW, 512, 1), ("V4", "fp8_584", 64, mla.WINDOW, 512, 8)]
-FORMS = {"main": (False, False), "named": (True, False), "early": (False, True)}  # (named hand-off, early issue)
+# (named hand-off, early issue, fp8_584 raw ring)
+FORMS = {"main": (False, False, False), "named": (True, False, False), "early": (False, True, False),
+         "ring64": (False, False, True)}
 rows64 = dict(transposed=False, block_h=64)  # the 64-head kernel also where the few-heads one is the default
 for label, kv_format, num_heads, k, k_extra, num_tokens in list(mla.CONFIGS) + extra:
     kwargs = mla._inputs(kv_format, num_heads, k, k_extra, num_tokens, "cuda")
     call_args = [kwargs.get(n) for n in names]
     res, outs = {f: [] for f in FORMS}, {}
     for _ in range(2):
-        for form, (named, early) in FORMS.items():
-            hopper._NAMED_HANDOFF, hopper._EARLY_ISSUE["rows"] = named, early
+        for form, (named, early, ring) in FORMS.items():
+            hopper._NAMED_HANDOFF, hopper._EARLY_ISSUE["rows"], hopper._RAW_RING_64 = named, early, ring
             mla_ops._PLANS.clear()  # the plan cache keys on shapes, not on these switches
             out = torch.empty(num_tokens, num_heads, 512, dtype=torch.bfloat16, device="cuda")
             lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device="cuda")
@@ -32,5 +35,5 @@ for label, kv_format, num_heads, k, k_extra, num_tokens in list(mla.CONFIGS) + e
     same = {f: torch.equal(outs[f][0], outs["main"][0]) and torch.equal(outs[f][1], outs["main"][1]) for f in FORMS}
     print(f"{kv_format} H={num_heads} K={k}+{k_extra} T={num_tokens}: "
           + "  ".join(f"{f} {min(res[f]):.1f}" for f in FORMS) + f"  bitwise_equal={same}", flush=True)
-hopper._NAMED_HANDOFF, hopper._EARLY_ISSUE["rows"] = False, False
+hopper._NAMED_HANDOFF, hopper._EARLY_ISSUE["rows"], hopper._RAW_RING_64 = False, False, True
 mla_ops._PLANS.clear()

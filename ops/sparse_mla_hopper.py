@@ -94,6 +94,12 @@ _RAW_SLOTS = 3
 
 def uses_raw_ring(kv_format: str, plan: LaunchPlan) -> bool:
     return _RAW_RING and kv_format == "fp8_656" and plan.transposed and plan.block_h == 16
+
+
+# fp8_584 with 64 heads per CTA: the 64-head raw-ring kernel (two raw slots in flight, each consumer converts
+# the half of the tile its P V reads) instead of the two converted stages.
+_RAW_RING_64 = True
+_WORKER_REGS_R64 = (176, 80)
 # The 64-head kernel's P hand-off on named barriers met by both consumer warpgroups (True) or on
 # mbarriers (False, as on main); see _named_barrier.
 _NAMED_HANDOFF = False
@@ -1081,11 +1087,14 @@ if HAS_GLUON:
         blk, b, slot_ids, t, nb_main, n_main, n_extra,
         cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
         xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
-        raw, rope_raw, scales_raw, valid_raw, HAS_EXTRA: gl.constexpr,
+        raw, rope_raw, scales_raw, valid_raw, KV_FORMAT: gl.constexpr, HAS_EXTRA: gl.constexpr,
     ):
-        """Start the copies of fp8_656 block ``blk`` into raw slot ``b`` (cp.async, one commit group):
-        the e4m3 bytes as 8 chunks of ``[64 keys, 64 bytes]``, the rope dims, the four scales; and store
-        the keys' validity. Invalid keys copy nothing and read as zeros."""
+        """Start the copies of block ``blk`` into raw slot ``b`` (cp.async, one commit group) and store the
+        keys' validity. fp8_656: the e4m3 bytes as 8 chunks of ``[64 keys, 64 bytes]`` (slot chunks
+        ``8 b + c``), the rope dims into ``rope_raw[b]``, the four scales into ``scales_raw[4 b + g]``.
+        fp8_584: 7 chunks of e4m3 bytes, the 64 bf16 dims into ``rope_raw[b]``, and the UE8M0 scale
+        bytes (plain loads) as float32 into ``scales_raw[8 b + c]``. Invalid keys copy nothing and read
+        as zeros."""
         G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         ROWS16: gl.constexpr = gl.SliceLayout(1, G16)
@@ -1103,17 +1112,31 @@ if HAS_GLUON:
         vmask16 = gl.convert_layout(valid, ROWS16)[:, None]
         cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
         cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
-        rbase = page * c_sp + row * 656
-        ptrs = c_ptr + rbase[:, None] + cols8[None, :]
-        for c in gl.static_range(8):
-            async_copy.async_copy_global_to_shared(raw.index(8 * b + c), ptrs + 64 * c, mask=vmask8)
-        rope_base = gl.convert_layout(rbase + 528, ROWS16)
-        rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
-        async_copy.async_copy_global_to_shared(rope_raw.index(b), rope_ptrs, mask=vmask16)
-        sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
-        for g in gl.static_range(4):
-            async_copy.async_copy_global_to_shared(scales_raw.index(b * 4 + g), sc_ptr + g, mask=valid)
-        async_copy.commit_group()
+        if KV_FORMAT == 1:
+            rbase = page * c_sp + row * 656
+            ptrs = c_ptr + rbase[:, None] + cols8[None, :]
+            for c in gl.static_range(8):
+                async_copy.async_copy_global_to_shared(raw.index(8 * b + c), ptrs + 64 * c, mask=vmask8)
+            rope_base = gl.convert_layout(rbase + 528, ROWS16)
+            rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+            async_copy.async_copy_global_to_shared(rope_raw.index(b), rope_ptrs, mask=vmask16)
+            sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
+            for g in gl.static_range(4):
+                async_copy.async_copy_global_to_shared(scales_raw.index(b * 4 + g), sc_ptr + g, mask=valid)
+            async_copy.commit_group()
+        else:
+            rbase = page * c_sp + row * 576
+            ptrs = c_ptr + rbase[:, None] + cols8[None, :]
+            for c in gl.static_range(7):
+                async_copy.async_copy_global_to_shared(raw.index(8 * b + c), ptrs + 64 * c, mask=vmask8)
+            tail_base = gl.convert_layout(rbase + 448, ROWS16)
+            tail_ptrs = (c_ptr + tail_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+            async_copy.async_copy_global_to_shared(rope_raw.index(b), tail_ptrs, mask=vmask16)
+            async_copy.commit_group()
+            sbase = page * c_sp + c_ps * 576 + row * 8
+            for c in gl.static_range(7):
+                e = gl.load(c_ptr + sbase + c, mask=valid, other=127).to(gl.int32)
+                scales_raw.index(b * 8 + c).store(_ue8m0_to_bf16(e).to(gl.float32))
 
     @gluon.jit
     def _producer_r(
@@ -1124,8 +1147,8 @@ if HAS_GLUON:
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         num_head_blocks, num_splits,
         raw, rope_raw, scales_raw, valid_raw, landed, free,
-        NRAW: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
-        SPLIT: gl.constexpr,
+        NRAW: gl.constexpr, KV_FORMAT: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
+        HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr,
     ):
         """Copies only: keeps ``NRAW`` blocks in flight. Block ``j`` goes to raw slot ``j % NRAW`` once the
         consumer has converted block ``j - NRAW`` out of it, and ``landed`` says when it is there."""
@@ -1142,7 +1165,7 @@ if HAS_GLUON:
                 _issue_raw(blk_lo + j0, j0, slots, t, nb_main, n_main, n_extra,
                            cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                            xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                           stride_xk, raw, rope_raw, scales_raw, valid_raw, HAS_EXTRA)
+                           stride_xk, raw, rope_raw, scales_raw, valid_raw, KV_FORMAT, HAS_EXTRA)
             slots = _block_slots(blk_lo + j0 + 1, t, nb_main, n_main, n_extra,
                                  cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
                                  stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
@@ -1156,7 +1179,7 @@ if HAS_GLUON:
                 _issue_raw(blk_lo + nxt, bn, slots, t, nb_main, n_main, n_extra,
                            cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                            xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                           stride_xk, raw, rope_raw, scales_raw, valid_raw, HAS_EXTRA)
+                           stride_xk, raw, rope_raw, scales_raw, valid_raw, KV_FORMAT, HAS_EXTRA)
                 slots = _block_slots(blk_lo + nxt + 1, t, nb_main, n_main, n_extra,
                                      cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
                                      stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
@@ -1286,9 +1309,197 @@ if HAS_GLUON:
                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
                             stride_xk, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks,
                             num_splits, raw, rope_raw, scales_raw, valid_raw, landed, free,
-                            NRAW, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
+                            NRAW, KV_FORMAT, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
             [4],
             [WORKER_REGS],
+        )
+
+    # -------------------------------------------------------------------------------------------------
+    # 64 heads, fp8_584: a raw ring converted by the two consumers
+    # -------------------------------------------------------------------------------------------------
+    # fp8_584 (D = 512) leaves room for one bf16 tile and two raw slots beside Q (222 KB): the producer
+    # keeps two blocks of raw records in flight, and each consumer converts the half of the tile whose
+    # dims its P V reads (the first dims 0..255, the second 256..511), so one named barrier per block
+    # (both halves converted) is the only extra meeting; Q K^T, which reads all dims, comes after it.
+
+    _R64_CONV = gl.constexpr("bar.sync 10, 256;\n\tmov.b32 $0, $1;")
+
+    @gluon.jit
+    def _convert_r64(raw, scales_raw, rope_raw, b, kn, HALF: gl.constexpr):
+        """fp8_584 raw slot ``b`` into the bf16 tile, scaled exactly (powers of two): ``HALF`` 0 the
+        e4m3 chunks 0..3, ``HALF`` 1 the chunks 4..6 and the 64 bf16 dims (448..511)."""
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        for c in gl.static_range(4 * HALF, 4 * HALF + 4 - HALF):
+            v = _e4m3_to_bf16(raw.index(8 * b + c).load(G8))
+            sc = scales_raw.index(8 * b + c).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
+            v, sc2 = gl.broadcast(v, sc[:, None])
+            kn.slice(64 * c, 64, dim=1).store(_mul_bf16(v, sc2))
+        if HALF == 1:
+            kn.slice(448, 64, dim=1).store(rope_raw.index(b).load(G16))
+
+    @gluon.jit
+    def _consumer_r64a(
+        q_ptr, stride_qt, stride_qh, stride_qd,
+        qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, valid_smem, p_smem, stat_smem, p_ready, p_free,
+        landed,
+        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
+        NRAW: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
+        HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """First consumer of the 64-head raw-ring kernel: converts its half of each block, then the first
+        consumer's block of the 64-head kernel (:func:`_attend`)."""
+        pid = gl.program_id(0)
+        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
+            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, 512)
+        _cta_barrier()
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 128, 16])
+        ROWS: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                          instr_shape=[16, _BN, 16]))
+        V1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)
+        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)
+        m_i = gl.full([_BH], float("-inf"), gl.float32, layout=ROWS)
+        l_i = gl.zeros([_BH], gl.float32, layout=ROWS)
+        for blk in range(blk_lo, blk_hi):
+            j = blk - blk_lo
+            b = j % NRAW
+            mbarrier.wait(landed.index(b), (j // NRAW) & 1)
+            _convert_r64(raw, scales_raw, rope_raw, b, kn, 0)
+            # the keys' validity, kept for the softmax (the slot is freed at the barrier below)
+            valid_smem.index(0).store(valid_raw.index(b).load(V1))
+            fence_async_shared()
+            _named_barrier(_R64_CONV)  # both halves of the tile are converted; the slot is read
+            o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales_raw, valid_smem, 0, o0, o1, m_i, l_i, qk_scale,
+                                       score_sign, p_smem, stat_smem, p_ready, p_free, j, 0, _BN, False, 512, False)
+        mbarrier.wait(p_free, ((blk_hi - blk_lo) & 1) ^ 1)
+        stat_smem.index(0).store(m_i)
+        stat_smem.index(1).store(l_i)
+        _cta_barrier()
+        mbarrier.arrive(p_ready)
+        _epilogue(o0, o1,
+                  gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
+                  pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                  stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale, 0, HAS_SINK, SPLIT)
+
+    @gluon.jit
+    def _consumer_r64b(
+        kn, raw, rope_raw, scales_raw, p_smem, stat_smem, p_ready, p_free, landed, free,
+        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits, lse_scale,
+        NRAW: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
+        HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """Second consumer of the 64-head raw-ring kernel: converts the other half of each block (the
+        dims its P V reads), frees the slot, then the second consumer's block of the 64-head kernel."""
+        pid = gl.program_id(0)
+        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
+            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                      instr_shape=[16, 128, 16])
+        ROWS_O: gl.constexpr = gl.SliceLayout(1, O_L)
+        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256, 384)
+        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [384, 512)
+        for blk in range(blk_lo, blk_hi):
+            j = blk - blk_lo
+            b = j % NRAW
+            mbarrier.wait(landed.index(b), (j // NRAW) & 1)
+            # (dims 256..511 of the tile: the previous block's P V below has completed)
+            _convert_r64(raw, scales_raw, rope_raw, b, kn, 1)
+            fence_async_shared()
+            _named_barrier(_R64_CONV)
+            mbarrier.arrive(free.index(b))  # both consumers are done with the slot
+            mbarrier.wait(p_ready, j & 1)
+            alpha = stat_smem.index(0).load(ROWS_O)[:, None]
+            o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
+            o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
+            o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
+            _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
+            mbarrier.arrive(p_free)
+        mbarrier.wait(p_ready, (blk_hi - blk_lo) & 1)
+        m_o = stat_smem.index(0).load(ROWS_O)
+        l_o = stat_smem.index(1).load(ROWS_O)
+        _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                  lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
+                  1, HAS_SINK, SPLIT)
+
+    @gluon.jit(do_not_specialize=("topk", "x_topk"))
+    def _sparse_mla_decode_hopper_r64_kernel(
+        q_ptr, stride_qt, stride_qh, stride_qd,
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots,
+        idx_ptr, stride_it, stride_ik, topk,
+        len_ptr, stride_len,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
+        xidx_ptr, stride_xt, stride_xk, x_topk,
+        xlen_ptr, stride_xlen,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits,
+        qk_scale, score_sign, lse_scale,
+        KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        WORKER_REGS: gl.constexpr, NRAW: gl.constexpr,
+    ):
+        """The 64-head raw-ring kernel (fp8_584 only): arguments as the 64-head kernel's."""
+        SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        qn = gl.allocate_shared_memory(gl.bfloat16, [_BH, 512], SL)
+        qr = gl.allocate_shared_memory(gl.bfloat16, [8, 64], SL)  # stand-in: D = 512 has no rope dims
+        kn = gl.allocate_shared_memory(gl.bfloat16, [_BN, 512], SL)
+        kr = gl.allocate_shared_memory(gl.bfloat16, [8, 64], SL)  # stand-in
+        raw = gl.allocate_shared_memory(gl.uint8, [NRAW * 8, _BN, 64], RAW)  # chunk c of slot b at 8 b + c
+        rope_raw = gl.allocate_shared_memory(gl.bfloat16, [NRAW, _BN, 64], SL)  # the bf16 dims 448..511
+        scales_raw = gl.allocate_shared_memory(gl.float32, [NRAW * 8, _BN], VL1)
+        valid_raw = gl.allocate_shared_memory(gl.int8, [NRAW, _BN], VL1)
+        valid_smem = gl.allocate_shared_memory(gl.int8, [1, _BN], VL1)
+        p_smem = gl.allocate_shared_memory(gl.bfloat16, [_BH, _BN], SL)
+        stat_smem = gl.allocate_shared_memory(gl.float32, [2, _BH], VL1)
+        landed = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
+        free = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for r in gl.static_range(NRAW):
+            mbarrier.init(landed.index(r), count=1)  # the producer partition
+            mbarrier.init(free.index(r), count=1)  # the second consumer, after both have converted
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        fence_async_shared()
+        gl.warp_specialize(
+            [(_consumer_r64a, (q_ptr, stride_qt, stride_qh, stride_qd,
+                               qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, valid_smem, p_smem, stat_smem,
+                               p_ready, p_free, landed,
+                               len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+                               sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                               stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
+                               score_sign, lse_scale, NRAW, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+             (_consumer_r64b, (kn, raw, rope_raw, scales_raw, p_smem, stat_smem, p_ready, p_free, landed, free,
+                               len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+                               sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                               stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
+                               NRAW, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+             (_producer_r, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                            xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                            stride_xk, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks,
+                            num_splits, raw, rope_raw, scales_raw, valid_raw, landed, free,
+                            NRAW, KV_FORMAT, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
+            [4, 4],
+            WORKER_REGS,
         )
 
 # =====================================================================================================
@@ -1386,6 +1597,9 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
     elif plan.transposed:
         kernel = _sparse_mla_decode_hopper_t_kernel
         meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T, EARLY=_EARLY_ISSUE["few"])
+    elif _RAW_RING_64 and kv_format == "fp8_584":
+        kernel = _sparse_mla_decode_hopper_r64_kernel
+        meta.update(WORKER_REGS=_WORKER_REGS_R64, NRAW=2)
     else:
         kernel = _sparse_mla_decode_hopper_kernel
         meta.update(WORKER_REGS=_WORKER_REGS[kv_format], EARLY=_EARLY_ISSUE["rows"], NAMED=_NAMED_HANDOFF)

@@ -965,6 +965,30 @@ def test_cuda_hopper_head_forms(spec, form, num_splits, monkeypatch):
 
 
 @requires_hopper
+@pytest.mark.parametrize("num_splits", [None, 1, 3], ids=lambda s: f"splits={s or 'auto'}")
+@pytest.mark.parametrize("raw_ring", [True, False], ids=["raw_ring", "stages"])
+@pytest.mark.parametrize("spec", [
+    Spec(kv_format="fp8_584", T=4, H=64, K=128, K2=512, lengths=True, sink="finite", page_pad=64, extra_page_pad=64),
+    Spec(kv_format="fp8_584", T=5, H=40, K=200, K2=48, lengths=True, sink="finite", bad_indices=True,
+         empty_row=True, page_pad=32, extra_page_pad=16),
+    Spec(kv_format="fp8_584", T=3, H=128, K=70, bad_indices=True),
+], ids=str)
+def test_cuda_hopper_fp8_584_forms(spec, raw_ring, num_splits, monkeypatch):
+    """fp8_584 at 64 heads per CTA: the raw-ring kernel (the consumers convert) and the two-stage one."""
+    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+
+    monkeypatch.setattr(hopper, "_RAW_RING_64", raw_ring)
+    mla_ops._PLANS.clear()  # plans are cached by shapes, not by that switch
+    kwargs = make_inputs(spec)
+    dev = _to_device(kwargs, "cuda")
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper",
+                                     config=dict(transposed=False, block_h=64))
+    mla_ops._PLANS.clear()
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+@requires_hopper
 def test_cuda_hopper_is_the_default_on_sm90():
     """The registered operator runs the Hopper kernel where it applies, and the same values come out of
     the portable kernel (bitwise equality is not expected: different summation orders)."""
