@@ -13,17 +13,19 @@ names = ("q", "kv_cache", "indices", "softmax_scale", "kv_format", "head_dim_v",
          "extra_kv_cache", "extra_indices", "extra_topk_length")
 extra = [("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 16), ("V3.2 fp8_656", "fp8_656", 128, 2048, 0, 2),
          ("V4", "fp8_584", 64, mla.WINDOW, 512, 1), ("V4", "fp8_584", 64, mla.WINDOW, 512, 8)]
-# (named hand-off, early issue, fp8_584 raw ring)
-FORMS = {"main": (False, False, False), "named": (True, False, False), "early": (False, True, False),
-         "ring64": (False, False, True)}
+# (named hand-off, early issue, raw ring (fp8 formats), fp8_656 raw-ring register split)
+FORMS = {"main": (False, False, False, None), "named": (True, False, False, None), "early": (False, True, False, None),
+         "ring64": (False, False, True, (208, 48)), "ring64_r216": (False, False, True, (216, 40))}
 rows64 = dict(transposed=False, block_h=64)  # the 64-head kernel also where the few-heads one is the default
 for label, kv_format, num_heads, k, k_extra, num_tokens in list(mla.CONFIGS) + extra:
     kwargs = mla._inputs(kv_format, num_heads, k, k_extra, num_tokens, "cuda")
     call_args = [kwargs.get(n) for n in names]
     res, outs = {f: [] for f in FORMS}, {}
     for _ in range(2):
-        for form, (named, early, ring) in FORMS.items():
-            hopper._NAMED_HANDOFF, hopper._EARLY_ISSUE["rows"], hopper._RAW_RING_64 = named, early, ring
+        for form, (named, early, ring, regs) in FORMS.items():
+            hopper._NAMED_HANDOFF, hopper._EARLY_ISSUE["rows"] = named, early
+            hopper._RAW_RING_64 = {"fp8_584": ring, "fp8_656": ring}
+            hopper._WORKER_REGS_R64["fp8_656"] = regs or (208, 48)
             mla_ops._PLANS.clear()  # the plan cache keys on shapes, not on these switches
             out = torch.empty(num_tokens, num_heads, 512, dtype=torch.bfloat16, device="cuda")
             lse = torch.empty(num_tokens, num_heads, dtype=torch.float32, device="cuda")
@@ -35,5 +37,7 @@ for label, kv_format, num_heads, k, k_extra, num_tokens in list(mla.CONFIGS) + e
     same = {f: torch.equal(outs[f][0], outs["main"][0]) and torch.equal(outs[f][1], outs["main"][1]) for f in FORMS}
     print(f"{kv_format} H={num_heads} K={k}+{k_extra} T={num_tokens}: "
           + "  ".join(f"{f} {min(res[f]):.1f}" for f in FORMS) + f"  bitwise_equal={same}", flush=True)
-hopper._NAMED_HANDOFF, hopper._EARLY_ISSUE["rows"], hopper._RAW_RING_64 = False, False, True
+hopper._NAMED_HANDOFF, hopper._EARLY_ISSUE["rows"] = False, False
+hopper._RAW_RING_64 = {"fp8_584": True, "fp8_656": True}
+hopper._WORKER_REGS_R64["fp8_656"] = (208, 48)
 mla_ops._PLANS.clear()

@@ -16,7 +16,7 @@ for kv_format, k, k_extra in (("fp8_656", 256, 0), ("fp8_584", 128, 64), ("auto"
         outs = {}
         for named in (False, True):
             hopper._NAMED_HANDOFF = named
-            hopper._RAW_RING_64 = False  # the two-stage kernel carries the hand-off switch
+            hopper._RAW_RING_64 = {"fp8_584": False, "fp8_656": False}  # the two-stage kernel has the switch
             mla_ops._PLANS.clear()
             out = torch.empty(3, 64, 512, dtype=torch.bfloat16, device="cuda")
             lse = torch.empty(3, 64, dtype=torch.float32, device="cuda")
@@ -27,6 +27,6 @@ for kv_format, k, k_extra in (("fp8_656", 256, 0), ("fp8_584", 128, 64), ("auto"
         ok &= same
         print(f"{kv_format} splits={splits}: named == mbarrier: {same}", flush=True)
 hopper._NAMED_HANDOFF = False
-hopper._RAW_RING_64 = True
+hopper._RAW_RING_64 = {"fp8_584": True, "fp8_656": True}
 mla_ops._PLANS.clear()
 raise SystemExit(0 if ok else 1)

@@ -96,10 +96,12 @@ def uses_raw_ring(kv_format: str, plan: LaunchPlan) -> bool:
     return _RAW_RING and kv_format == "fp8_656" and plan.transposed and plan.block_h == 16
 
 
-# fp8_584 with 64 heads per CTA: the 64-head raw-ring kernel (two raw slots in flight, each consumer converts
-# the half of the tile its P V reads) instead of the two converted stages.
-_RAW_RING_64 = True
-_WORKER_REGS_R64 = (176, 80)
+# 64 heads per CTA, fp8 formats: the 64-head raw-ring kernel (the producer only copies, each consumer
+# converts the half of the tile its P V reads) instead of the two converted stages: per format, whether it
+# is used, its raw slots (shared memory: fp8_584 has room for two, fp8_656 for one) and its register split.
+_RAW_RING_64 = {"fp8_584": True, "fp8_656": True}
+_RAW_SLOTS_64 = {"fp8_584": 2, "fp8_656": 1}
+_WORKER_REGS_R64 = {"fp8_584": (176, 80), "fp8_656": (208, 48)}
 # The 64-head kernel's P hand-off on named barriers met by both consumer warpgroups (True) or on
 # mbarriers (False, as on main); see _named_barrier.
 _NAMED_HANDOFF = False
@@ -1325,23 +1327,38 @@ if HAS_GLUON:
     _R64_CONV = gl.constexpr("bar.sync 10, 256;\n\tmov.b32 $0, $1;")
 
     @gluon.jit
-    def _convert_r64(raw, scales_raw, rope_raw, b, kn, HALF: gl.constexpr):
-        """fp8_584 raw slot ``b`` into the bf16 tile, scaled exactly (powers of two): ``HALF`` 0 the
-        e4m3 chunks 0..3, ``HALF`` 1 the chunks 4..6 and the 64 bf16 dims (448..511)."""
+    def _convert_r64(raw, scales_raw, rope_raw, valid_raw, b, kn, kr, scales2, valid2, sidx,
+                     HALF: gl.constexpr, KV_FORMAT: gl.constexpr):
+        """Raw slot ``b`` into the bf16 tile, the half whose dims consumer ``HALF`` multiplies in P V.
+        fp8_584 (scaled exactly, powers of two): ``HALF`` 0 the e4m3 chunks 0..3, ``HALF`` 1 the chunks
+        4..6 and the 64 bf16 dims (448..511). fp8_656 (raw e4m3 values, scaled in float32 later): the
+        chunks 0..3 or 4..7; ``HALF`` 0 also the rope dims into ``kr`` and the four scale rows into
+        ``scales2[4 sidx + g]``. ``HALF`` 0 also keeps the keys' validity in ``valid2[sidx]``."""
         G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        for c in gl.static_range(4 * HALF, 4 * HALF + 4 - HALF):
-            v = _e4m3_to_bf16(raw.index(8 * b + c).load(G8))
-            sc = scales_raw.index(8 * b + c).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
-            v, sc2 = gl.broadcast(v, sc[:, None])
-            kn.slice(64 * c, 64, dim=1).store(_mul_bf16(v, sc2))
-        if HALF == 1:
-            kn.slice(448, 64, dim=1).store(rope_raw.index(b).load(G16))
+        V1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        if KV_FORMAT == 2:
+            for c in gl.static_range(4 * HALF, 4 * HALF + 4 - HALF):
+                v = _e4m3_to_bf16(raw.index(8 * b + c).load(G8))
+                sc = scales_raw.index(8 * b + c).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
+                v, sc2 = gl.broadcast(v, sc[:, None])
+                kn.slice(64 * c, 64, dim=1).store(_mul_bf16(v, sc2))
+            if HALF == 1:
+                kn.slice(448, 64, dim=1).store(rope_raw.index(b).load(G16))
+        else:
+            for c in gl.static_range(4 * HALF, 4 * HALF + 4):
+                kn.slice(64 * c, 64, dim=1).store(_e4m3_to_bf16(raw.index(8 * b + c).load(G8)))
+            if HALF == 0:
+                kr.store(rope_raw.index(b).load(G16))
+                for g in gl.static_range(4):
+                    scales2.index(4 * sidx + g).store(scales_raw.index(4 * b + g).load(V1))
+        if HALF == 0:
+            valid2.index(sidx).store(valid_raw.index(b).load(V1))
 
     @gluon.jit
     def _consumer_r64a(
         q_ptr, stride_qt, stride_qh, stride_qd,
-        qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, valid_smem, p_smem, stat_smem, p_ready, p_free,
+        qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, scales2, valid2, p_smem, stat_smem, p_ready, p_free,
         landed,
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         sink_ptr, stride_sink,
@@ -1349,22 +1366,23 @@ if HAS_GLUON:
         lse_ptr, stride_lt, stride_lh,
         ws_ptr, ws_ml_off,
         num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-        NRAW: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
-        HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        NRAW: gl.constexpr, KV_FORMAT: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
     ):
-        """First consumer of the 64-head raw-ring kernel: converts its half of each block, then the first
-        consumer's block of the 64-head kernel (:func:`_attend`)."""
+        """First consumer of the 64-head raw-ring kernel: converts its half of each block (and keeps the
+        block's validity, scales and rope dims), then the first consumer's block of the 64-head kernel
+        (:func:`_attend`). The kept validity and scales alternate between two rows (``j % 2``): the
+        second consumer reads block ``j``'s scales while this one converts block ``j + 1``."""
         pid = gl.program_id(0)
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, 512)
+        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
         _cta_barrier()
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 128, 16])
         ROWS: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                                           instr_shape=[16, _BN, 16]))
-        V1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)
         o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)
         m_i = gl.full([_BH], float("-inf"), gl.float32, layout=ROWS)
@@ -1372,14 +1390,13 @@ if HAS_GLUON:
         for blk in range(blk_lo, blk_hi):
             j = blk - blk_lo
             b = j % NRAW
+            sidx = j % 2
             mbarrier.wait(landed.index(b), (j // NRAW) & 1)
-            _convert_r64(raw, scales_raw, rope_raw, b, kn, 0)
-            # the keys' validity, kept for the softmax (the slot is freed at the barrier below)
-            valid_smem.index(0).store(valid_raw.index(b).load(V1))
+            _convert_r64(raw, scales_raw, rope_raw, valid_raw, b, kn, kr, scales2, valid2, sidx, 0, KV_FORMAT)
             fence_async_shared()
             _named_barrier(_R64_CONV)  # both halves of the tile are converted; the slot is read
-            o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales_raw, valid_smem, 0, o0, o1, m_i, l_i, qk_scale,
-                                       score_sign, p_smem, stat_smem, p_ready, p_free, j, 0, _BN, False, 512, False)
+            o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales2, valid2, sidx, o0, o1, m_i, l_i, qk_scale,
+                                       score_sign, p_smem, stat_smem, p_ready, p_free, j, 0, _BN, FOLD, D, False)
         mbarrier.wait(p_free, ((blk_hi - blk_lo) & 1) ^ 1)
         stat_smem.index(0).store(m_i)
         stat_smem.index(1).store(l_i)
@@ -1392,15 +1409,16 @@ if HAS_GLUON:
 
     @gluon.jit
     def _consumer_r64b(
-        kn, raw, rope_raw, scales_raw, p_smem, stat_smem, p_ready, p_free, landed, free,
+        kn, kr, raw, rope_raw, scales_raw, valid_raw, scales2, valid2, p_smem, stat_smem, p_ready, p_free, landed,
+        free,
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         sink_ptr, stride_sink,
         out_ptr, stride_ot, stride_oh, stride_od,
         lse_ptr, stride_lt, stride_lh,
         ws_ptr, ws_ml_off,
         num_heads, num_head_blocks, num_splits, lse_scale,
-        NRAW: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr,
-        HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        NRAW: gl.constexpr, KV_FORMAT: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
     ):
         """Second consumer of the 64-head raw-ring kernel: converts the other half of each block (the
         dims its P V reads), frees the slot, then the second consumer's block of the 64-head kernel."""
@@ -1408,8 +1426,11 @@ if HAS_GLUON:
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                       instr_shape=[16, 128, 16])
+        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
+        COLS: gl.constexpr = gl.SliceLayout(0, S_L)
         ROWS_O: gl.constexpr = gl.SliceLayout(1, O_L)
         o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256, 384)
         o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [384, 512)
@@ -1418,14 +1439,18 @@ if HAS_GLUON:
             b = j % NRAW
             mbarrier.wait(landed.index(b), (j // NRAW) & 1)
             # (dims 256..511 of the tile: the previous block's P V below has completed)
-            _convert_r64(raw, scales_raw, rope_raw, b, kn, 1)
+            _convert_r64(raw, scales_raw, rope_raw, valid_raw, b, kn, kr, scales2, valid2, j % 2, 1, KV_FORMAT)
             fence_async_shared()
             _named_barrier(_R64_CONV)
             mbarrier.arrive(free.index(b))  # both consumers are done with the slot
             mbarrier.wait(p_ready, j & 1)
             alpha = stat_smem.index(0).load(ROWS_O)[:, None]
-            o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
-            o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
+            if FOLD:
+                o0, o1 = _pv_scaled(p_smem.load(S_L).to(gl.float32), scales2, (j % 2) * 4 + 2, kn, o0, o1, alpha, 256,
+                                    COLS, P_L)
+            else:
+                o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
+                o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
             _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
             mbarrier.arrive(p_free)
@@ -1455,20 +1480,23 @@ if HAS_GLUON:
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
         WORKER_REGS: gl.constexpr, NRAW: gl.constexpr,
     ):
-        """The 64-head raw-ring kernel (fp8_584 only): arguments as the 64-head kernel's."""
+        """The 64-head raw-ring kernel (fp8_656 with one raw slot, fp8_584 with two): arguments as the
+        64-head kernel's."""
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        R_ROWS: gl.constexpr = _BH if D == 576 else 8  # the rope dims (a stand-in for D = 512)
         qn = gl.allocate_shared_memory(gl.bfloat16, [_BH, 512], SL)
-        qr = gl.allocate_shared_memory(gl.bfloat16, [8, 64], SL)  # stand-in: D = 512 has no rope dims
+        qr = gl.allocate_shared_memory(gl.bfloat16, [R_ROWS, 64], SL)
         kn = gl.allocate_shared_memory(gl.bfloat16, [_BN, 512], SL)
-        kr = gl.allocate_shared_memory(gl.bfloat16, [8, 64], SL)  # stand-in
+        kr = gl.allocate_shared_memory(gl.bfloat16, [R_ROWS, 64], SL)
         raw = gl.allocate_shared_memory(gl.uint8, [NRAW * 8, _BN, 64], RAW)  # chunk c of slot b at 8 b + c
-        rope_raw = gl.allocate_shared_memory(gl.bfloat16, [NRAW, _BN, 64], SL)  # the bf16 dims 448..511
-        scales_raw = gl.allocate_shared_memory(gl.float32, [NRAW * 8, _BN], VL1)
+        rope_raw = gl.allocate_shared_memory(gl.bfloat16, [NRAW, _BN, 64], SL)  # rope dims / fp8_584's bf16 dims
+        scales_raw = gl.allocate_shared_memory(gl.float32, [NRAW * 8 if KV_FORMAT == 2 else NRAW * 4, _BN], VL1)
         valid_raw = gl.allocate_shared_memory(gl.int8, [NRAW, _BN], VL1)
-        valid_smem = gl.allocate_shared_memory(gl.int8, [1, _BN], VL1)
-        p_smem = gl.allocate_shared_memory(gl.bfloat16, [_BH, _BN], SL)
+        scales2 = gl.allocate_shared_memory(gl.float32, [8, _BN], VL1)  # fp8_656: the kept scales, 2 x 4 rows
+        valid2 = gl.allocate_shared_memory(gl.int8, [2, _BN], VL1)
+        p_smem = gl.allocate_shared_memory(gl.float16 if FOLD else gl.bfloat16, [_BH, _BN], SL)
         stat_smem = gl.allocate_shared_memory(gl.float32, [2, _BH], VL1)
         landed = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
@@ -1482,17 +1510,19 @@ if HAS_GLUON:
         fence_async_shared()
         gl.warp_specialize(
             [(_consumer_r64a, (q_ptr, stride_qt, stride_qh, stride_qd,
-                               qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, valid_smem, p_smem, stat_smem,
-                               p_ready, p_free, landed,
+                               qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, scales2, valid2, p_smem,
+                               stat_smem, p_ready, p_free, landed,
                                len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                                sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                                stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                               score_sign, lse_scale, NRAW, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
-             (_consumer_r64b, (kn, raw, rope_raw, scales_raw, p_smem, stat_smem, p_ready, p_free, landed, free,
+                               score_sign, lse_scale, NRAW, KV_FORMAT, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN,
+                               HAS_SINK, SPLIT)),
+             (_consumer_r64b, (kn, kr, raw, rope_raw, scales_raw, valid_raw, scales2, valid2, p_smem, stat_smem,
+                               p_ready, p_free, landed, free,
                                len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                                sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                                stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
-                               NRAW, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+                               NRAW, KV_FORMAT, FOLD, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
              (_producer_r, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
                             stride_xk, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks,
@@ -1597,9 +1627,9 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
     elif plan.transposed:
         kernel = _sparse_mla_decode_hopper_t_kernel
         meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T, EARLY=_EARLY_ISSUE["few"])
-    elif _RAW_RING_64 and kv_format == "fp8_584":
+    elif _RAW_RING_64.get(kv_format, False):
         kernel = _sparse_mla_decode_hopper_r64_kernel
-        meta.update(WORKER_REGS=_WORKER_REGS_R64, NRAW=2)
+        meta.update(WORKER_REGS=_WORKER_REGS_R64[kv_format], NRAW=_RAW_SLOTS_64[kv_format])
     else:
         kernel = _sparse_mla_decode_hopper_kernel
         meta.update(WORKER_REGS=_WORKER_REGS[kv_format], EARLY=_EARLY_ISSUE["rows"], NAMED=_NAMED_HANDOFF)

@@ -36,9 +36,9 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
     constexprs = dict(KV_FORMAT={"auto": 0, "fp8_656": 1, "fp8_584": 2}[kv_format], D=dim, FOLD=kv_format == "fp8_656",
                       HAS_LEN=lengths, HAS_EXTRA=extra, HAS_XLEN=extra and lengths, HAS_SINK=sink, SPLIT=split,
                       stride_qd=1, stride_od=1)
-    if heads == 64 and kv_format == "fp8_584" and hopper._RAW_RING_64:
+    if heads == 64 and hopper._RAW_RING_64.get(kv_format, False):
         fn = hopper._sparse_mla_decode_hopper_r64_kernel
-        constexprs.update(WORKER_REGS=hopper._WORKER_REGS_R64, NRAW=2)
+        constexprs.update(WORKER_REGS=hopper._WORKER_REGS_R64[kv_format], NRAW=hopper._RAW_SLOTS_64[kv_format])
     elif heads == 64:
         fn = hopper._sparse_mla_decode_hopper_kernel
         constexprs.update(WORKER_REGS=hopper._WORKER_REGS[kv_format], EARLY=hopper._EARLY_ISSUE["rows"],

@@ -968,16 +968,19 @@ def test_cuda_hopper_head_forms(spec, form, num_splits, monkeypatch):
 @pytest.mark.parametrize("num_splits", [None, 1, 3], ids=lambda s: f"splits={s or 'auto'}")
 @pytest.mark.parametrize("raw_ring", [True, False], ids=["raw_ring", "stages"])
 @pytest.mark.parametrize("spec", [
+    Spec(kv_format=f, T=5, H=40, K=200, K2=k2, lengths=True, sink="finite", bad_indices=True, empty_row=True,
+         page_pad=32, extra_page_pad=16) for f, k2 in (("fp8_584", 48), ("fp8_656", 0), ("fp8_656", 40))
+] + [
     Spec(kv_format="fp8_584", T=4, H=64, K=128, K2=512, lengths=True, sink="finite", page_pad=64, extra_page_pad=64),
-    Spec(kv_format="fp8_584", T=5, H=40, K=200, K2=48, lengths=True, sink="finite", bad_indices=True,
-         empty_row=True, page_pad=32, extra_page_pad=16),
     Spec(kv_format="fp8_584", T=3, H=128, K=70, bad_indices=True),
+    Spec(kv_format="fp8_656", T=3, H=128, K=300, scale=0.3, sink="finite"),
 ], ids=str)
-def test_cuda_hopper_fp8_584_forms(spec, raw_ring, num_splits, monkeypatch):
-    """fp8_584 at 64 heads per CTA: the raw-ring kernel (the consumers convert) and the two-stage one."""
+def test_cuda_hopper_raw_ring_forms(spec, raw_ring, num_splits, monkeypatch):
+    """The fp8 formats at 64 heads per CTA: the raw-ring kernel (the consumers convert) and the
+    two-stage one."""
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 
-    monkeypatch.setattr(hopper, "_RAW_RING_64", raw_ring)
+    monkeypatch.setattr(hopper, "_RAW_RING_64", {"fp8_584": raw_ring, "fp8_656": raw_ring})
     mla_ops._PLANS.clear()  # plans are cached by shapes, not by that switch
     kwargs = make_inputs(spec)
     dev = _to_device(kwargs, "cuda")
