@@ -1,5 +1,5 @@
-"""Few-heads Hopper MLA kernel against the 64-head one on the same inputs (CUDA-graph replay, same process,
-alternating, best of two). Prints µs and the relative difference of the outputs."""
+"""Few-heads Hopper MLA kernels against the 64-head ones on the same inputs (CUDA-graph replay, same
+process, alternating, best of two). Prints µs per form and the relative difference of the outputs."""
 import torch
 from torch_sparse_mla.bench import mla
 from torch_sparse_mla.bench.common import graph_us
@@ -12,18 +12,31 @@ names = ("q", "kv_cache", "indices", "softmax_scale", "kv_format", "head_dim_v",
 CONFIGS = [("fp8_656", 16, 2048, 0, t) for t in (1, 4, 16, 32, 64, 128, 256)] + [
     ("fp8_656", 32, 2048, 0, 128), ("fp8_656", 20, 2048, 0, 128), ("fp8_656", 8, 2048, 0, 128),
     ("fp8_584", 16, mla.WINDOW, 512, 128), ("fp8_584", 32, mla.WINDOW, 512, 128), ("auto", 16, 2048, 0, 64)]
-# form: (config, producer issues early in the two-stage few-heads kernel, fp8_656 at 16 heads: raw ring)
-FORMS = {"few": (None, True, True), "few_stages": (None, True, False), "few_late": (None, False, False),
-         "rows64": (dict(transposed=False, block_h=64), True, True)}
+ROWS64 = dict(transposed=False, block_h=64)
+# form: config and module switches (few-heads producer order, fp8_656 few-heads raw ring, 64-head raw ring)
+FORMS = {
+    "few": (None, dict(early=True, ring=True, ring64=True)),  # the branch's default
+    "few_stages": (None, dict(early=True, ring=False, ring64=True)),
+    "few_late": (None, dict(early=False, ring=False, ring64=True)),
+    "rows64_ring": (ROWS64, dict(early=True, ring=True, ring64=True)),
+    "rows64_main": (ROWS64, dict(early=True, ring=True, ring64=False)),  # main's kernel
+}
+
+
+def switch(early, ring, ring64):
+    hopper._EARLY_ISSUE["few"] = early
+    hopper._RAW_RING = ring
+    hopper._RAW_RING_64 = {"fp8_584": ring64, "fp8_656": ring64}
+    mla_ops._PLANS.clear()  # the plan cache keys on shapes, not on these switches
+
+
 for kv_format, heads, k, k_extra, tokens in CONFIGS:
     kwargs = mla._inputs(kv_format, heads, k, k_extra, tokens, "cuda")
     call_args = [kwargs.get(n) for n in names]
     res, outs = {f: [] for f in FORMS}, {}
     for _ in range(2):
-        for form, (cfg, early, ring) in FORMS.items():
-            hopper._EARLY_ISSUE["few"] = early
-            hopper._RAW_RING = ring
-            mla_ops._PLANS.clear()  # the plan cache does not key on the flag
+        for form, (cfg, switches) in FORMS.items():
+            switch(**switches)
             out = torch.empty(tokens, heads, 512, dtype=torch.bfloat16, device="cuda")
             lse = torch.empty(tokens, heads, dtype=torch.float32, device="cuda")
 
@@ -31,10 +44,10 @@ for kv_format, heads, k, k_extra, tokens in CONFIGS:
                 sparse_mla_decode_triton(*call_args, out=out, lse=lse, config=cfg)
             res[form].append(graph_us(run))
             outs[form] = out.float()
-    diff = ((outs["few"] - outs["rows64"]).norm() / outs["rows64"].norm()).item()
-    late = ((outs["few_late"] - outs["few_stages"]).norm() / outs["few_stages"].norm()).item()
+    base = outs["rows64_main"]
+    diffs = {f: ((outs[f] - base).norm() / base.norm()).item() for f in FORMS if f != "rows64_main"}
     times = "  ".join(f"{f} {min(res[f]):.1f}" for f in FORMS)
-    print(f"{kv_format} H={heads} K={k}+{k_extra} T={tokens}: {times}  ({min(res['rows64']) / min(res['few']):.2f}x)"
-          f"  rel diff few vs rows64 {diff:.1e}, few_late vs few_stages {late:.0e}", flush=True)
-hopper._EARLY_ISSUE["few"] = True
-hopper._RAW_RING = True
+    print(f"{kv_format} H={heads} K={k}+{k_extra} T={tokens}: {times}  "
+          f"(main/few {min(res['rows64_main']) / min(res['few']):.2f}x)  rel diff vs main "
+          + " ".join(f"{f} {d:.0e}" for f, d in diffs.items()), flush=True)
+switch(early=True, ring=True, ring64=True)

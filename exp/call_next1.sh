@@ -6,6 +6,13 @@ source scratch/site.sh
 T=$REPO/tests
 P="python3 -m pytest -q -rs -p no:cacheprovider"
 L=$OUT/logs; mkdir -p $L
+# first: one small call of each new form in its own process (a hang names its kernel)
+for f in few16_656 few16_656_stages few32_656 few16_584 few16_auto rows64_ring_656 rows64_ring_584 named_656; do
+  (cd $SITE && timeout -k 5 120 python3 $REPO/exp/smoke_new_kernels.py $f > $L/smoke_$f.log 2>&1; echo "$f rc=$?" >> $L/smoke_$f.log) &
+done
+wait
+for f in $L/smoke_*.log; do grep -v Warn $f | tail -3; done
+P="$P -o faulthandler_timeout=120"  # a test stuck in a kernel prints its traceback after 2 minutes
 SAN=$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)
 (timeout -k 5 300 $P -m cuda $T/test_sparse_mla.py -k "head_forms or raw_ring_forms" > $L/forms.log 2>&1; echo "rc=$?" >> $L/forms.log) &
 (timeout -k 5 300 $P -m cuda $T/test_sparse_mla.py -k "hopper_parity and (fp8_656 or fp8_584)" > $L/par1.log 2>&1; echo "rc=$?" >> $L/par1.log) &
