@@ -586,6 +586,38 @@ def test_hopper_plan_few_heads(heads, block_h):
         hopper.check_plan(dataclasses.replace(plan, transposed=True, block_h=64))
 
 
+@pytest.mark.parametrize("kv_format,heads,config,kernel", [
+    ("fp8_656", 16, None, "_sparse_mla_decode_hopper_r_kernel"),
+    ("fp8_656", 20, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("fp8_584", 16, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("auto", 32, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("fp8_656", 128, None, "_sparse_mla_decode_hopper_r64_kernel"),
+    ("fp8_584", 64, None, "_sparse_mla_decode_hopper_r64_kernel"),
+    ("auto", 64, None, "_sparse_mla_decode_hopper_kernel"),
+    ("fp8_584", 16, dict(transposed=False, block_h=64), "_sparse_mla_decode_hopper_r64_kernel"),
+    ("fp8_656", 40, dict(transposed=True, block_h=16), "_sparse_mla_decode_hopper_r_kernel"),
+])
+def test_hopper_launch_picks_kernel(kv_format, heads, config, kernel):
+    """Without a GPU: each plan names the kernel meant for it, and the launch's run-time arguments and
+    constexprs are exactly that kernel's parameters (``KernelLaunch`` checks them when it is built)."""
+    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+
+    if not hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    spec = Spec(kv_format=kv_format, T=3, H=heads, K=200, K2=48 if kv_format == "fp8_584" else 0, lengths=True,
+                sink="finite", page_pad=32, extra_page_pad=16)
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs, "cpu")
+    plan = hopper.plan_launch(3, heads, 200, 132, num_splits=3).with_overrides(config)
+    plan = dataclasses.replace(plan, head_blocks=-(-heads // plan.block_h))
+    _, main, combine = mla_ops._make_hopper_launches(
+        kwargs["q"], kwargs["kv_cache"], kwargs["indices"], kwargs["softmax_scale"], kv_format, kwargs["topk_length"],
+        kwargs["attn_sink"], kwargs.get("extra_kv_cache"), kwargs.get("extra_indices"),
+        kwargs.get("extra_topk_length"), out, lse, plan)
+    assert main.kernel.__name__ == kernel
+    assert main.grid[0] == 3 * 3 * plan.head_blocks and combine is not None
+
+
 @requires_interpreter
 @pytest.mark.parametrize("kv_format", fr.FORMATS)
 def test_load_kv_tile_interpreter(kv_format):
