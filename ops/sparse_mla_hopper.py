@@ -85,15 +85,15 @@ _WORKER_REGS_T = 96
 # The producer's order per block (``_producer``, ``EARLY``): the next block's copies before this
 # block's conversion where the consumer outpaces the gathers (the few-heads kernel).
 _EARLY_ISSUE = {"rows": False, "few": True}
-# fp8_656 at 16 heads per CTA: the raw-ring kernel (the producer only copies, three blocks in flight,
+# fp8 formats at 16 heads per CTA: the raw-ring kernel (the producer only copies, three blocks in flight,
 # and the consumer converts) instead of the two converted stages. (At 32 heads only two raw slots fit
-# and its consumer spills 700+ bytes per thread: not used there.)
+# and its consumer spilled 700+ bytes per thread for fp8_656: not used there.)
 _RAW_RING = True
 _RAW_SLOTS = 3
 
 
 def uses_raw_ring(kv_format: str, plan: LaunchPlan) -> bool:
-    return _RAW_RING and kv_format == "fp8_656" and plan.transposed and plan.block_h == 16
+    return _RAW_RING and kv_format in ("fp8_656", "fp8_584") and plan.transposed and plan.block_h == 16
 
 
 # 64 heads per CTA, fp8 formats: the 64-head raw-ring kernel (the producer only copies, each consumer
@@ -1209,21 +1209,24 @@ if HAS_GLUON:
         lse_ptr, stride_lt, stride_lh,
         ws_ptr, ws_ml_off,
         num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-        HB: gl.constexpr, NRAW: gl.constexpr, HAS_LEN: gl.constexpr,
-        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        HB: gl.constexpr, NRAW: gl.constexpr, KV_FORMAT: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr,
+        HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr,
+        SPLIT: gl.constexpr,
     ):
-        """Per block: wait for its raw slot, convert it into the bf16 tile (and take the scales, validity
-        and rope dims), free the slot, then the few-heads block of :func:`_attend_t`."""
+        """Per block: wait for its raw slot, convert it into the bf16 tile (fp8_656: raw values, and take
+        the scales and rope dims; fp8_584: scaled, with its bf16 dims), take the validity, free the slot,
+        then the few-heads block of :func:`_attend_t`."""
         pid = gl.program_id(0)
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        _load_q_t(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB, 576)
+        _load_q_t(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB, D)
         _cta_barrier()
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
         HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
         G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        no_scale = gl.zeros([_BN], gl.float32, layout=KEYS)  # fp8_584 takes no scales in the products
         o0 = gl.zeros([128, HB], gl.float32, layout=S_L)
         o1 = gl.zeros([128, HB], gl.float32, layout=S_L)
         o2 = gl.zeros([128, HB], gl.float32, layout=S_L)
@@ -1235,18 +1238,25 @@ if HAS_GLUON:
             b = j % NRAW
             mbarrier.wait(landed.index(b), (j // NRAW) & 1)
             # the previous block's MMAs have completed (_attend_t waits for them): the tile is free
-            _convert_raw(raw, b, kn)
-            kr.store(rope_raw.index(b).load(G16))
+            if KV_FORMAT == 1:
+                _convert_raw(raw, b, kn)
+                kr.store(rope_raw.index(b).load(G16))
+                sc0 = scales_raw.index(b * 4).load(KEYS)
+                sc1 = scales_raw.index(b * 4 + 1).load(KEYS)
+                sc2 = scales_raw.index(b * 4 + 2).load(KEYS)
+                sc3 = scales_raw.index(b * 4 + 3).load(KEYS)
+            else:
+                _convert_584(raw, scales_raw, rope_raw, b, kn, 0, 7, True)
+                sc0 = no_scale
+                sc1 = no_scale
+                sc2 = no_scale
+                sc3 = no_scale
             valid = valid_raw.index(b).load(KEYS) != 0
-            sc0 = scales_raw.index(b * 4).load(KEYS)
-            sc1 = scales_raw.index(b * 4 + 1).load(KEYS)
-            sc2 = scales_raw.index(b * 4 + 2).load(KEYS)
-            sc3 = scales_raw.index(b * 4 + 3).load(KEYS)
             fence_async_shared()  # the tile's stores before the MMAs read it
             mbarrier.arrive(free.index(b))  # after the partition's barrier: every warp has read the slot
-            s = _scores_t(qn, qr, kn, kr, sc0, sc1, sc2, sc3, HB, True, 576, False)
+            s = _scores_t(qn, qr, kn, kr, sc0, sc1, sc2, sc3, HB, FOLD, D, False)
             o0, o1, o2, o3, m_i, l_i = _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i,
-                                                 qk_scale, score_sign, HB, True, False)
+                                                 qk_scale, score_sign, HB, FOLD, False)
         _epilogue_t(o0, 0, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
                     lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
                     lse_scale, HB, HAS_SINK, SPLIT)
@@ -1279,21 +1289,22 @@ if HAS_GLUON:
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
         HB: gl.constexpr, WORKER_REGS: gl.constexpr, NRAW: gl.constexpr,
     ):
-        """The few-heads kernel with a raw ring (fp8_656 only): arguments as the other kernels, ``NRAW``
-        raw slots of 64 records (42 KB each) and one bf16 tile."""
+        """The few-heads kernel with a raw ring (fp8 formats): arguments as the other kernels, ``NRAW`` raw
+        slots of 64 records (41 KB fp8_656, 38 KB fp8_584) and one bf16 tile."""
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
         qn = gl.allocate_shared_memory(gl.bfloat16, [HB, 512], SL)
+        R_ROWS: gl.constexpr = _BN if D == 576 else 8  # the rope dims (a stand-in for D = 512)
         qr = gl.allocate_shared_memory(gl.bfloat16, [HB, 64], SL)
         kn = gl.allocate_shared_memory(gl.bfloat16, [_BN, 512], SL)
-        kr = gl.allocate_shared_memory(gl.bfloat16, [_BN, 64], SL)
+        kr = gl.allocate_shared_memory(gl.bfloat16, [R_ROWS, 64], SL)
         raw = gl.allocate_shared_memory(gl.uint8, [NRAW * 8, _BN, 64], RAW)  # chunk c of slot b at 8 b + c
         rope_raw = gl.allocate_shared_memory(gl.bfloat16, [NRAW, _BN, 64], SL)
-        scales_raw = gl.allocate_shared_memory(gl.float32, [NRAW * 4, _BN], VL1)
+        scales_raw = gl.allocate_shared_memory(gl.float32, [NRAW * 8 if KV_FORMAT == 2 else NRAW * 4, _BN], VL1)
         valid_raw = gl.allocate_shared_memory(gl.int8, [NRAW, _BN], VL1)
-        pt_smem = gl.allocate_shared_memory(gl.bfloat16, [4, _BN, HB], PL)
+        pt_smem = gl.allocate_shared_memory(gl.bfloat16, [4 if FOLD else 1, _BN, HB], PL)
         landed = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
         free = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
         for r in gl.static_range(NRAW):
@@ -1306,7 +1317,8 @@ if HAS_GLUON:
                             len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                             sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                             stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                            score_sign, lse_scale, HB, NRAW, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+                            score_sign, lse_scale, HB, NRAW, KV_FORMAT, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN,
+                            HAS_SINK, SPLIT)),
              (_producer_r, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
                             stride_xk, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks,
@@ -1327,6 +1339,20 @@ if HAS_GLUON:
     _R64_CONV = gl.constexpr("bar.sync 10, 256;\n\tmov.b32 $0, $1;")
 
     @gluon.jit
+    def _convert_584(raw, scales_raw, rope_raw, b, kn, C0: gl.constexpr, C1: gl.constexpr, TAIL: gl.constexpr):
+        """fp8_584 raw slot ``b``: e4m3 chunks ``[C0, C1)`` into the bf16 tile scaled exactly (powers of
+        two), and with ``TAIL`` the 64 bf16 dims (448..511)."""
+        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
+        for c in gl.static_range(C0, C1):
+            v = _e4m3_to_bf16(raw.index(8 * b + c).load(G8))
+            sc = scales_raw.index(8 * b + c).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
+            v, sc2 = gl.broadcast(v, sc[:, None])
+            kn.slice(64 * c, 64, dim=1).store(_mul_bf16(v, sc2))
+        if TAIL:
+            kn.slice(448, 64, dim=1).store(rope_raw.index(b).load(G16))
+
+    @gluon.jit
     def _convert_r64(raw, scales_raw, rope_raw, valid_raw, b, kn, kr, scales2, valid2, sidx,
                      HALF: gl.constexpr, KV_FORMAT: gl.constexpr):
         """Raw slot ``b`` into the bf16 tile, the half whose dims consumer ``HALF`` multiplies in P V.
@@ -1338,13 +1364,7 @@ if HAS_GLUON:
         G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         V1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         if KV_FORMAT == 2:
-            for c in gl.static_range(4 * HALF, 4 * HALF + 4 - HALF):
-                v = _e4m3_to_bf16(raw.index(8 * b + c).load(G8))
-                sc = scales_raw.index(8 * b + c).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
-                v, sc2 = gl.broadcast(v, sc[:, None])
-                kn.slice(64 * c, 64, dim=1).store(_mul_bf16(v, sc2))
-            if HALF == 1:
-                kn.slice(448, 64, dim=1).store(rope_raw.index(b).load(G16))
+            _convert_584(raw, scales_raw, rope_raw, b, kn, 4 * HALF, 4 * HALF + 4 - HALF, HALF == 1)
         else:
             for c in gl.static_range(4 * HALF, 4 * HALF + 4):
                 kn.slice(64 * c, 64, dim=1).store(_e4m3_to_bf16(raw.index(8 * b + c).load(G8)))

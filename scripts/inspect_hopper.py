@@ -43,7 +43,7 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
         fn = hopper._sparse_mla_decode_hopper_kernel
         constexprs.update(WORKER_REGS=hopper._WORKER_REGS[kv_format], EARLY=hopper._EARLY_ISSUE["rows"],
                           NAMED=hopper._NAMED_HANDOFF)
-    elif kv_format == "fp8_656" and hopper._RAW_RING and heads == 16:
+    elif kv_format in ("fp8_656", "fp8_584") and hopper._RAW_RING and heads == 16:
         fn = hopper._sparse_mla_decode_hopper_r_kernel
         constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T, NRAW=hopper._RAW_SLOTS)
     else:

@@ -589,7 +589,8 @@ def test_hopper_plan_few_heads(heads, block_h):
 @pytest.mark.parametrize("kv_format,heads,config,kernel", [
     ("fp8_656", 16, None, "_sparse_mla_decode_hopper_r_kernel"),
     ("fp8_656", 20, None, "_sparse_mla_decode_hopper_t_kernel"),
-    ("fp8_584", 16, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("fp8_584", 16, None, "_sparse_mla_decode_hopper_r_kernel"),
+    ("fp8_584", 32, None, "_sparse_mla_decode_hopper_t_kernel"),
     ("auto", 32, None, "_sparse_mla_decode_hopper_t_kernel"),
     ("fp8_656", 128, None, "_sparse_mla_decode_hopper_r64_kernel"),
     ("fp8_584", 64, None, "_sparse_mla_decode_hopper_r64_kernel"),
@@ -961,8 +962,8 @@ def test_cuda_hopper_parity(spec, num_splits):
 
 
 # The Hopper kernels on the shapes where each can run: the few-heads ones (16 or 32 heads per CTA,
-# transposed products; at 16 heads fp8_656 has the raw-ring kernel, "few16" and the two-stage one,
-# "few16_stages") and the 64-head one, forced every way, also with several head blocks.
+# transposed products; at 16 heads the fp8 formats have the raw-ring kernel, "few16", and the two-stage
+# one, "few16_stages") and the 64-head one, forced every way, also with several head blocks.
 _HEAD_FORMS = {
     "few16": (dict(transposed=True, block_h=16), True),
     "few16_stages": (dict(transposed=True, block_h=16), False),
@@ -983,8 +984,8 @@ def test_cuda_hopper_head_forms(spec, form, num_splits, monkeypatch):
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 
     config, raw_ring = _HEAD_FORMS[form]
-    if not raw_ring and spec.kv_format != "fp8_656":
-        pytest.skip("the raw ring exists for fp8_656 only")
+    if not raw_ring and spec.kv_format == "auto":
+        pytest.skip("the raw ring exists for the fp8 formats only")
     monkeypatch.setattr(hopper, "_RAW_RING", raw_ring)
     mla_ops._PLANS.clear()  # plans are cached by shapes, not by that switch
     kwargs = make_inputs(spec)
