@@ -7,7 +7,7 @@ T=$REPO/tests
 P="python3 -m pytest -q -rs -p no:cacheprovider"
 L=$OUT/logs; mkdir -p $L
 # first: one small call of each new form in its own process (a hang names its kernel)
-for f in few16_656 few16_656_stages few32_656 few16_584 few16_auto rows64_ring_656 rows64_ring_584 named_656; do
+for f in few16_656 few16_656_stages few32_656 few16_584 few16_584_stages few16_auto rows64_ring_656 rows64_ring_584 named_656; do
   (cd $SITE && timeout -k 5 120 python3 $REPO/exp/smoke_new_kernels.py $f > $L/smoke_$f.log 2>&1; echo "$f rc=$?" >> $L/smoke_$f.log) &
 done
 wait

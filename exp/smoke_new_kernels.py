@@ -1,6 +1,7 @@
 """One small call of one new Hopper kernel form against the PyTorch reference; run each form in its own process
 under `timeout` so a hang names its kernel. Usage: python exp/smoke_new_kernels.py FORM
-FORM: few16_656 few16_656_stages few32_656 few16_584 few16_auto rows64_ring_656 rows64_ring_584 named_656"""
+FORM: few16_656 few16_656_stages few32_656 few16_584 few16_584_stages few16_auto rows64_ring_656 rows64_ring_584
+named_656"""
 import sys
 import torch
 from torch_sparse_mla.bench import mla
@@ -9,8 +10,7 @@ from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 from torch_sparse_mla.ops.sparse_mla import sparse_mla_decode_torch, sparse_mla_decode_triton
 
 form = sys.argv[1]
-fmt = {"656": "fp8_656", "584": "fp8_584", "auto": "auto"}[form.rsplit("_", 1)[-1]] if not form.endswith("stages") \
-    else "fp8_656"
+fmt = next({"656": "fp8_656", "584": "fp8_584", "auto": "auto"}[p] for p in form.split("_") if p in ("656", "584", "auto"))
 heads = 16 if form.startswith("few16") else 32 if form.startswith("few32") else 64
 cfg = dict(transposed=False, block_h=64) if heads == 64 else dict(transposed=True, block_h=heads)
 hopper._RAW_RING = not form.endswith("stages")
