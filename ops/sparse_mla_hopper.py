@@ -24,6 +24,11 @@ tensor-core work. This kernel does both, with explicit warp specialisation:
     second only rescales its half of ``O`` and adds ``P V``: ``Q K^T`` is computed once per block.
     Both release the stage (``empty`` barrier, count 2).
 
+- **At most 32 heads** (``H`` = 16 is DeepSeek-V3.2's 128 heads over eight GPUs) take the few-heads
+  kernel (``_sparse_mla_decode_hopper_t_kernel``): 16 or 32 heads per CTA, the products transposed
+  (``S^T = K Q^T``, ``O^T += V^T P^T``) so the keys are the 64-row M side of ``wgmma`` and the heads its
+  N side, one consumer warpgroup and the same producer and ring. A 64-head CTA would spend three
+  quarters of its MMA work on padding.
 - **Exactness.** ``fp8_584`` scales are powers of two, so the tile holds the exact dequantised values.
   ``fp8_656`` scales are arbitrary floats: the tile holds the raw e4m3 values (exact in bf16), each
   scale group's partial product is scaled in float32 (``S += s_g * (Q_g K_g^T)``) and the probabilities
@@ -82,29 +87,6 @@ _ONE_BLOCK_CTAS = 64
 _WORKER_REGS = {"fp8_656": (200, 56), "fp8_584": (176, 80), "auto": (176, 80)}
 # The few-heads kernel (two warpgroups): registers per thread of its producer; its consumer gets the rest.
 _WORKER_REGS_T = 96
-# The producer's order per block (``_producer``, ``EARLY``): the next block's copies before this
-# block's conversion where the consumer outpaces the gathers (the few-heads kernel).
-_EARLY_ISSUE = {"rows": False, "few": True}
-# fp8 formats at 16 heads per CTA: the raw-ring kernel (the producer only copies, three blocks in flight,
-# and the consumer converts) instead of the two converted stages. (At 32 heads only two raw slots fit
-# and its consumer spilled 700+ bytes per thread for fp8_656: not used there.)
-_RAW_RING = True
-_RAW_SLOTS = 3
-
-
-def uses_raw_ring(kv_format: str, plan: LaunchPlan) -> bool:
-    return _RAW_RING and kv_format in ("fp8_656", "fp8_584") and plan.transposed and plan.block_h == 16
-
-
-# 64 heads per CTA, fp8 formats: the 64-head raw-ring kernel (the producer only copies, each consumer
-# converts the half of the tile its P V reads) instead of the two converted stages: per format, whether it
-# is used, its raw slots (shared memory: fp8_584 has room for two, fp8_656 for one) and its register split.
-_RAW_RING_64 = {"fp8_584": True, "fp8_656": True}
-_RAW_SLOTS_64 = {"fp8_584": 2, "fp8_656": 1}
-_WORKER_REGS_R64 = {"fp8_584": (176, 80), "fp8_656": (208, 48)}
-# The 64-head kernel's P hand-off on named barriers met by both consumer warpgroups (True) or on
-# mbarriers (False, as on main); see _named_barrier.
-_NAMED_HANDOFF = False
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -143,21 +125,6 @@ if HAS_GLUON:
     """)
 
     _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
-
-    # The P hand-off between the two consumer warpgroups meets on two named hardware barriers of 256
-    # threads (ids 8 and 9, above the ones warp specialisation uses, 0-3): each side's every thread
-    # waits at both, in the same order (free, ready, free, ...), so each meeting orders every access
-    # before it, in either warpgroup, before every access after it (``bar.sync``). With an mbarrier
-    # (Gluon's arrive is one thread's, after its warpgroup's barrier) or ``bar.arrive`` the order is
-    # the same but racecheck does not follow it (docs/testing.md).
-    _P_READY = gl.constexpr("bar.sync 8, 256;\n\tmov.b32 $0, $1;")
-    _P_FREE = gl.constexpr("bar.sync 9, 256;\n\tmov.b32 $0, $1;")
-
-    @gluon.jit
-    def _named_barrier(ASM: gl.constexpr):
-        """``ASM`` (a named barrier) executed once by each thread of a 4-warp partition."""
-        one = gl.full([128], 0, gl.int32, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        gl.inline_asm_elementwise(ASM, "=r,r", [one], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
     def _e4m3_to_bf16(raw):
@@ -386,16 +353,10 @@ if HAS_GLUON:
         num_head_blocks, num_splits,
         knope, krope, scales, valid_smem, ready, empty,
         KV_FORMAT: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
-        HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr, EARLY: gl.constexpr,
+        HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr,
     ):
         """Pipelined: block i + 1's copies (and block i + 2's slot ids) are in flight while the consumers
-        work on block i; block i is converted and handed over as soon as its bytes have landed.
-
-        ``EARLY``: once block i has landed, block i + 1's copies go out first (as soon as the consumers
-        are done with block i - 1) and block i is converted while they are in flight. That keeps the
-        copies going through the conversion, at the price of handing block i over only after the
-        consumers have finished block i - 1: right when the consumers are faster than the gathers
-        (the few-heads kernel), wrong when they are the bottleneck."""
+        work on block i; block i is converted and handed over as soon as its bytes have landed."""
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             gl.program_id(0), num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
@@ -417,34 +378,21 @@ if HAS_GLUON:
             stage = i % 2
             async_copy.wait_group(0)  # block i has landed
             _cta_barrier()  # every thread's copies (and scale stores) are visible to the partition
-            if EARLY:
-                if i + 1 < n:
-                    nxt = (i + 1) % 2
-                    mbarrier.wait(empty.index(nxt), (((i + 1) // 2) & 1) ^ 1)  # the consumers are done with i - 1
-                    _issue_block(blk_lo + i + 1, nxt, slots, t, nb_main, n_main, n_extra,
-                                 cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
-                                 stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
-                                 stride_xt, stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
-                    slots = _block_slots(blk_lo + i + 2, t, nb_main, n_main, n_extra,
-                                         cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
-                                         stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
-                                         xidx_ptr, stride_xt, stride_xk, HAS_EXTRA)
             if KV_FORMAT != 0:
                 _convert_block(stage, knope, scales, KV_FORMAT)
             fence_async_shared()
             mbarrier.arrive(ready.index(stage))
-            if not EARLY:
-                if i + 1 < n:
-                    nxt = (i + 1) % 2
-                    mbarrier.wait(empty.index(nxt), (((i + 1) // 2) & 1) ^ 1)  # the consumers are done with i - 1
-                    _issue_block(blk_lo + i + 1, nxt, slots, t, nb_main, n_main, n_extra,
-                                 cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-                                 xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                                 stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
-                    slots = _block_slots(blk_lo + i + 2, t, nb_main, n_main, n_extra,
-                                         cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
-                                         stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
-                                         stride_xt, stride_xk, HAS_EXTRA)
+            if i + 1 < n:
+                nxt = (i + 1) % 2
+                mbarrier.wait(empty.index(nxt), (((i + 1) // 2) & 1) ^ 1)  # the consumers are done with i - 1
+                _issue_block(blk_lo + i + 1, nxt, slots, t, nb_main, n_main, n_extra,
+                             cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
+                             stride_xk, knope, krope, scales, valid_smem, KV_FORMAT, D, HAS_EXTRA)
+                slots = _block_slots(blk_lo + i + 2, t, nb_main, n_main, n_extra,
+                                     cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
+                                     stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
+                                     stride_xt, stride_xk, HAS_EXTRA)
 
     @gluon.jit
     def _ue8m0_to_bf16(e):
@@ -460,7 +408,7 @@ if HAS_GLUON:
     @gluon.jit
     def _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale, score_sign,
                 p_smem, stat_smem, p_ready, p_free, i,
-                K0: gl.constexpr, NK: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, NAMED: gl.constexpr):
+                K0: gl.constexpr, NK: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr):
         """First consumer: online softmax over keys ``[K0, K0 + NK)`` of a ring stage, ``(o0, o1, m_i,
         l_i)`` of dims 0..255 updated; ``P`` and the rescale factor of block ``i`` handed to the second
         consumer."""
@@ -515,18 +463,12 @@ if HAS_GLUON:
         # Hand-off: wait until the second consumer is done with the previous block's P, store this one
         # (fp16 when it is scaled per group again there, bf16 when it is the MMA operand as it is), and
         # arrive once every thread's part is stored (the arrive is one thread's).
-        if NAMED:
-            _named_barrier(_P_FREE)
-        else:
-            mbarrier.wait(p_free, (i & 1) ^ 1)
+        mbarrier.wait(p_free, (i & 1) ^ 1)
         p_smem.store(p.to(p_smem.dtype))
         stat_smem.index(0).store(alpha)
         fence_async_shared()
-        if NAMED:
-            _named_barrier(_P_READY)
-        else:
-            _cta_barrier()
-            mbarrier.arrive(p_ready)
+        _cta_barrier()
+        mbarrier.arrive(p_ready)
         if FOLD:
             o0, o1 = _pv_scaled(p, scales, stage * 4, keys, o0, o1, alpha_o, 0, COLS, P_L)
         else:
@@ -560,7 +502,6 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
         FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        NAMED: gl.constexpr,
     ):
         """First consumer: stages Q, then ``Q K^T``, the softmax, the hand-off of P, and output dims
         0..255 (and lse). Q is its own operand only, so it is loaded here, while the producer already
@@ -591,21 +532,14 @@ if HAS_GLUON:
             kr = krope.index(stage)
             for k0 in gl.static_range(0, _BN, NK):
                 o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales, valid_smem, stage, o0, o1, m_i, l_i, qk_scale,
-                                           score_sign, p_smem, stat_smem, p_ready, p_free, i, k0, NK, FOLD, D,
-                                           NAMED)
+                                           score_sign, p_smem, stat_smem, p_ready, p_free, i, k0, NK, FOLD, D)
             mbarrier.arrive(empty.index(stage))
         # The final statistics, for the second consumer's epilogue (one more hand-off).
-        if NAMED:
-            _named_barrier(_P_FREE)
-        else:
-            mbarrier.wait(p_free, ((blk_hi - blk_lo) & 1) ^ 1)
+        mbarrier.wait(p_free, ((blk_hi - blk_lo) & 1) ^ 1)
         stat_smem.index(0).store(m_i)
         stat_smem.index(1).store(l_i)
-        if NAMED:
-            _named_barrier(_P_READY)
-        else:
-            _cta_barrier()
-            mbarrier.arrive(p_ready)
+        _cta_barrier()
+        mbarrier.arrive(p_ready)
         _epilogue(o0, o1,
                   gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
                   pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
@@ -622,7 +556,6 @@ if HAS_GLUON:
         num_heads, num_head_blocks, num_splits, lse_scale,
         FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        NAMED: gl.constexpr,
     ):
         """Second consumer: no ``Q K^T`` of its own. Per block it takes the first consumer's P and rescale
         factor, rescales its half of O and adds ``P V`` for output dims 256..511."""
@@ -638,16 +571,11 @@ if HAS_GLUON:
         ROWS_O: gl.constexpr = gl.SliceLayout(1, O_L)
         o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256, 384)
         o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [384, 512)
-        if NAMED:
-            _named_barrier(_P_FREE)  # P's buffer starts free (the first consumer meets this before block 0)
         for blk in range(blk_lo, blk_hi):
             i = blk - blk_lo
             stage = i % 2
             mbarrier.wait(ready.index(stage), (i // 2) & 1)
-            if NAMED:
-                _named_barrier(_P_READY)
-            else:
-                mbarrier.wait(p_ready, i & 1)
+            mbarrier.wait(p_ready, i & 1)
             alpha = stat_smem.index(0).load(ROWS_O)[:, None]
             kn = knope.index(stage)
             if FOLD:
@@ -657,17 +585,10 @@ if HAS_GLUON:
                 o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
                 o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
-            if NAMED:
-                mbarrier.arrive(empty.index(stage))
-                _named_barrier(_P_FREE)
-            else:
-                _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
-                mbarrier.arrive(p_free)
-                mbarrier.arrive(empty.index(stage))
-        if NAMED:
-            _named_barrier(_P_READY)
-        else:
-            mbarrier.wait(p_ready, (blk_hi - blk_lo) & 1)
+            _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
+            mbarrier.arrive(p_free)
+            mbarrier.arrive(empty.index(stage))
+        mbarrier.wait(p_ready, (blk_hi - blk_lo) & 1)
         m_o = stat_smem.index(0).load(ROWS_O)
         l_o = stat_smem.index(1).load(ROWS_O)
         _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
@@ -756,7 +677,7 @@ if HAS_GLUON:
         qk_scale, score_sign, lse_scale,  # softmax_factors(softmax_scale) of ops/sparse_mla.py
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        WORKER_REGS: gl.constexpr, EARLY: gl.constexpr, NAMED: gl.constexpr,
+        WORKER_REGS: gl.constexpr,
     ):
         SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
@@ -790,18 +711,18 @@ if HAS_GLUON:
                           sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                           stride_lh,
                           ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-                          FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, NAMED)),
+                          FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
              (_consumer_pv, (knope, scales, ready, empty, p_smem, stat_smem, p_ready, p_free,
                              len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                              sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                              stride_lh,
                              ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
-                             FOLD, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT, NAMED)),
+                             FOLD, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
              (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
                           knope, krope, scales, valid_smem, ready, empty,
-                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT, EARLY))],
+                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
             [4, 4],
             WORKER_REGS,
         )
@@ -1038,7 +959,7 @@ if HAS_GLUON:
         qk_scale, score_sign, lse_scale,
         KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
         HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        HB: gl.constexpr, WORKER_REGS: gl.constexpr, EARLY: gl.constexpr,
+        HB: gl.constexpr, WORKER_REGS: gl.constexpr,
     ):
         """The few-heads kernel: arguments as :func:`_sparse_mla_decode_hopper_kernel`, ``HB`` (16 or 32)
         heads per CTA. Shared memory: Q ``[HB, 576]``, the same two-stage ring, ``P^T`` (four copies for
@@ -1071,486 +992,11 @@ if HAS_GLUON:
                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
                           len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
                           knope, krope, scales, valid_smem, ready, empty,
-                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT, EARLY))],
+                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
             [4],
             [WORKER_REGS],
         )
 
-    # -------------------------------------------------------------------------------------------------
-    # few heads, fp8_656: a ring of raw records, converted by the consumer
-    # -------------------------------------------------------------------------------------------------
-    # With 16 heads the consumer's MMAs are a quarter of the 64-head kernel's, so the gathers bound the
-    # kernel, and a ring of two converted stages keeps only one block of gathers in flight. Here the
-    # producer only copies: NRAW blocks of raw 656-byte records in flight (e4m3 bytes, rope dims, scales),
-    # and the consumer converts one into the single bf16 tile just before its MMAs.
-
-    @gluon.jit
-    def _issue_raw(
-        blk, b, slot_ids, t, nb_main, n_main, n_extra,
-        cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
-        raw, rope_raw, scales_raw, valid_raw, KV_FORMAT: gl.constexpr, HAS_EXTRA: gl.constexpr,
-    ):
-        """Start the copies of block ``blk`` into raw slot ``b`` (cp.async, one commit group) and store the
-        keys' validity. fp8_656: the e4m3 bytes as 8 chunks of ``[64 keys, 64 bytes]`` (slot chunks
-        ``8 b + c``), the rope dims into ``rope_raw[b]``, the four scales into ``scales_raw[4 b + g]``.
-        fp8_584: 7 chunks of e4m3 bytes, the 64 bf16 dims into ``rope_raw[b]``, and the UE8M0 scale
-        bytes (plain loads) as float32 into ``scales_raw[8 b + c]``. Invalid keys copy nothing and read
-        as zeros."""
-        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        ROWS16: gl.constexpr = gl.SliceLayout(1, G16)
-        c_ptr, c_sp, c_sr, c_ps, c_ns, i_ptr, i_st, n_used, first = _block_list(
-            blk, t, nb_main, n_main, n_extra, cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr,
-            stride_it, stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-            stride_xk, HAS_EXTRA)
-        slot = slot_ids.to(gl.int64)
-        valid = (slot >= 0) & (slot < c_ns)
-        slot = gl.where(valid, slot, 0)
-        page = slot // c_ps
-        row = slot - page * c_ps
-        valid_raw.index(b).store(valid.to(gl.int8))
-        vmask8 = valid[:, None]
-        vmask16 = gl.convert_layout(valid, ROWS16)[:, None]
-        cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
-        cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
-        if KV_FORMAT == 1:
-            rbase = page * c_sp + row * 656
-            ptrs = c_ptr + rbase[:, None] + cols8[None, :]
-            for c in gl.static_range(8):
-                async_copy.async_copy_global_to_shared(raw.index(8 * b + c), ptrs + 64 * c, mask=vmask8)
-            rope_base = gl.convert_layout(rbase + 528, ROWS16)
-            rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
-            async_copy.async_copy_global_to_shared(rope_raw.index(b), rope_ptrs, mask=vmask16)
-            sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
-            for g in gl.static_range(4):
-                async_copy.async_copy_global_to_shared(scales_raw.index(b * 4 + g), sc_ptr + g, mask=valid)
-            async_copy.commit_group()
-        else:
-            rbase = page * c_sp + row * 576
-            ptrs = c_ptr + rbase[:, None] + cols8[None, :]
-            for c in gl.static_range(7):
-                async_copy.async_copy_global_to_shared(raw.index(8 * b + c), ptrs + 64 * c, mask=vmask8)
-            tail_base = gl.convert_layout(rbase + 448, ROWS16)
-            tail_ptrs = (c_ptr + tail_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
-            async_copy.async_copy_global_to_shared(rope_raw.index(b), tail_ptrs, mask=vmask16)
-            async_copy.commit_group()
-            sbase = page * c_sp + c_ps * 576 + row * 8
-            for c in gl.static_range(7):
-                e = gl.load(c_ptr + sbase + c, mask=valid, other=127).to(gl.int32)
-                scales_raw.index(b * 8 + c).store(_ue8m0_to_bf16(e).to(gl.float32))
-
-    @gluon.jit
-    def _producer_r(
-        cache_ptr, stride_cp, stride_cr, page_size, num_slots,
-        idx_ptr, stride_it, stride_ik,
-        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
-        xidx_ptr, stride_xt, stride_xk,
-        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-        num_head_blocks, num_splits,
-        raw, rope_raw, scales_raw, valid_raw, landed, free,
-        NRAW: gl.constexpr, KV_FORMAT: gl.constexpr, HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr,
-        HAS_XLEN: gl.constexpr, SPLIT: gl.constexpr,
-    ):
-        """Copies only: keeps ``NRAW`` blocks in flight. Block ``j`` goes to raw slot ``j % NRAW`` once the
-        consumer has converted block ``j - NRAW`` out of it, and ``landed`` says when it is there."""
-        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
-            gl.program_id(0), num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        n = blk_hi - blk_lo
-        slots = _block_slots(blk_lo, t, nb_main, n_main, n_extra,
-                             cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-                             xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                             stride_xk, HAS_EXTRA)
-        for j0 in gl.static_range(NRAW - 1):  # blocks 0 .. NRAW - 2 into fresh slots
-            if j0 < n:
-                _issue_raw(blk_lo + j0, j0, slots, t, nb_main, n_main, n_extra,
-                           cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                           stride_xk, raw, rope_raw, scales_raw, valid_raw, KV_FORMAT, HAS_EXTRA)
-            slots = _block_slots(blk_lo + j0 + 1, t, nb_main, n_main, n_extra,
-                                 cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
-                                 stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
-                                 stride_xt, stride_xk, HAS_EXTRA)
-        for j in range(0, n):
-            nxt = j + NRAW - 1
-            if nxt < n:
-                bn = nxt % NRAW
-                # slot bn held block nxt - NRAW = j - 1 (first use: the wait passes)
-                mbarrier.wait(free.index(bn), ((nxt // NRAW) & 1) ^ 1)
-                _issue_raw(blk_lo + nxt, bn, slots, t, nb_main, n_main, n_extra,
-                           cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-                           xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                           stride_xk, raw, rope_raw, scales_raw, valid_raw, KV_FORMAT, HAS_EXTRA)
-                slots = _block_slots(blk_lo + nxt + 1, t, nb_main, n_main, n_extra,
-                                     cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
-                                     stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
-                                     stride_xt, stride_xk, HAS_EXTRA)
-                async_copy.wait_group(NRAW - 1)  # block j has landed (the NRAW - 1 after it may not)
-            else:
-                async_copy.wait_group(0)
-            _cta_barrier()  # every thread's copies (and validity stores) are visible to the partition
-            mbarrier.arrive(landed.index(j % NRAW))
-
-    @gluon.jit
-    def _convert_raw(raw, b, kn):
-        """The e4m3 bytes of raw slot ``b`` into the bf16 tile ``kn`` ``[64 keys, 512]`` (values unscaled)."""
-        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        for c in gl.static_range(8):
-            kn.slice(64 * c, 64, dim=1).store(_e4m3_to_bf16(raw.index(8 * b + c).load(G8)))
-
-    @gluon.jit
-    def _consumer_r(
-        q_ptr, stride_qt, stride_qh, stride_qd,
-        qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, pt_smem, landed, free,
-        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-        sink_ptr, stride_sink,
-        out_ptr, stride_ot, stride_oh, stride_od,
-        lse_ptr, stride_lt, stride_lh,
-        ws_ptr, ws_ml_off,
-        num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-        HB: gl.constexpr, NRAW: gl.constexpr, KV_FORMAT: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr,
-        HAS_LEN: gl.constexpr, HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr,
-        SPLIT: gl.constexpr,
-    ):
-        """Per block: wait for its raw slot, convert it into the bf16 tile (fp8_656: raw values, and take
-        the scales and rope dims; fp8_584: scaled, with its bf16 dims), take the validity, free the slot,
-        then the few-heads block of :func:`_attend_t`."""
-        pid = gl.program_id(0)
-        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
-            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        _load_q_t(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB, D)
-        _cta_barrier()
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
-        KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
-        HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
-        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        no_scale = gl.zeros([_BN], gl.float32, layout=KEYS)  # fp8_584 takes no scales in the products
-        o0 = gl.zeros([128, HB], gl.float32, layout=S_L)
-        o1 = gl.zeros([128, HB], gl.float32, layout=S_L)
-        o2 = gl.zeros([128, HB], gl.float32, layout=S_L)
-        o3 = gl.zeros([128, HB], gl.float32, layout=S_L)
-        m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
-        l_i = gl.zeros([HB], gl.float32, layout=HEADS)
-        for blk in range(blk_lo, blk_hi):
-            j = blk - blk_lo
-            b = j % NRAW
-            mbarrier.wait(landed.index(b), (j // NRAW) & 1)
-            # the previous block's MMAs have completed (_attend_t waits for them): the tile is free
-            if KV_FORMAT == 1:
-                _convert_raw(raw, b, kn)
-                kr.store(rope_raw.index(b).load(G16))
-                sc0 = scales_raw.index(b * 4).load(KEYS)
-                sc1 = scales_raw.index(b * 4 + 1).load(KEYS)
-                sc2 = scales_raw.index(b * 4 + 2).load(KEYS)
-                sc3 = scales_raw.index(b * 4 + 3).load(KEYS)
-            else:
-                _convert_584(raw, scales_raw, rope_raw, b, kn, 0, 7, True)
-                sc0 = no_scale
-                sc1 = no_scale
-                sc2 = no_scale
-                sc3 = no_scale
-            valid = valid_raw.index(b).load(KEYS) != 0
-            fence_async_shared()  # the tile's stores before the MMAs read it
-            mbarrier.arrive(free.index(b))  # after the partition's barrier: every warp has read the slot
-            s = _scores_t(qn, qr, kn, kr, sc0, sc1, sc2, sc3, HB, FOLD, D, False)
-            o0, o1, o2, o3, m_i, l_i = _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i,
-                                                 qk_scale, score_sign, HB, FOLD, False)
-        _epilogue_t(o0, 0, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
-                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
-                    lse_scale, HB, HAS_SINK, SPLIT)
-        _epilogue_t(o1, 1, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
-                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
-                    lse_scale, HB, HAS_SINK, SPLIT)
-        _epilogue_t(o2, 2, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
-                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
-                    lse_scale, HB, HAS_SINK, SPLIT)
-        _epilogue_t(o3, 3, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
-                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
-                    lse_scale, HB, HAS_SINK, SPLIT)
-
-    @gluon.jit(do_not_specialize=("topk", "x_topk"))
-    def _sparse_mla_decode_hopper_r_kernel(
-        q_ptr, stride_qt, stride_qh, stride_qd,
-        cache_ptr, stride_cp, stride_cr, page_size, num_slots,
-        idx_ptr, stride_it, stride_ik, topk,
-        len_ptr, stride_len,
-        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
-        xidx_ptr, stride_xt, stride_xk, x_topk,
-        xlen_ptr, stride_xlen,
-        sink_ptr, stride_sink,
-        out_ptr, stride_ot, stride_oh, stride_od,
-        lse_ptr, stride_lt, stride_lh,
-        ws_ptr, ws_ml_off,
-        num_heads, num_head_blocks, num_splits,
-        qk_scale, score_sign, lse_scale,
-        KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
-        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        HB: gl.constexpr, WORKER_REGS: gl.constexpr, NRAW: gl.constexpr,
-    ):
-        """The few-heads kernel with a raw ring (fp8 formats): arguments as the other kernels, ``NRAW`` raw
-        slots of 64 records (41 KB fp8_656, 38 KB fp8_584) and one bf16 tile."""
-        SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
-        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
-        qn = gl.allocate_shared_memory(gl.bfloat16, [HB, 512], SL)
-        R_ROWS: gl.constexpr = _BN if D == 576 else 8  # the rope dims (a stand-in for D = 512)
-        qr = gl.allocate_shared_memory(gl.bfloat16, [HB, 64], SL)
-        kn = gl.allocate_shared_memory(gl.bfloat16, [_BN, 512], SL)
-        kr = gl.allocate_shared_memory(gl.bfloat16, [R_ROWS, 64], SL)
-        raw = gl.allocate_shared_memory(gl.uint8, [NRAW * 8, _BN, 64], RAW)  # chunk c of slot b at 8 b + c
-        rope_raw = gl.allocate_shared_memory(gl.bfloat16, [NRAW, _BN, 64], SL)
-        scales_raw = gl.allocate_shared_memory(gl.float32, [NRAW * 8 if KV_FORMAT == 2 else NRAW * 4, _BN], VL1)
-        valid_raw = gl.allocate_shared_memory(gl.int8, [NRAW, _BN], VL1)
-        pt_smem = gl.allocate_shared_memory(gl.bfloat16, [4 if FOLD else 1, _BN, HB], PL)
-        landed = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
-        for r in gl.static_range(NRAW):
-            mbarrier.init(landed.index(r), count=1)  # the producer partition
-            mbarrier.init(free.index(r), count=1)  # the consumer partition
-        fence_async_shared()
-        gl.warp_specialize(
-            [(_consumer_r, (q_ptr, stride_qt, stride_qh, stride_qd,
-                            qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, pt_smem, landed, free,
-                            len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-                            sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
-                            stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                            score_sign, lse_scale, HB, NRAW, KV_FORMAT, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN,
-                            HAS_SINK, SPLIT)),
-             (_producer_r, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-                            xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                            stride_xk, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks,
-                            num_splits, raw, rope_raw, scales_raw, valid_raw, landed, free,
-                            NRAW, KV_FORMAT, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
-            [4],
-            [WORKER_REGS],
-        )
-
-    # -------------------------------------------------------------------------------------------------
-    # 64 heads, fp8_584: a raw ring converted by the two consumers
-    # -------------------------------------------------------------------------------------------------
-    # fp8_584 (D = 512) leaves room for one bf16 tile and two raw slots beside Q (222 KB): the producer
-    # keeps two blocks of raw records in flight, and each consumer converts the half of the tile whose
-    # dims its P V reads (the first dims 0..255, the second 256..511), so one named barrier per block
-    # (both halves converted) is the only extra meeting; Q K^T, which reads all dims, comes after it.
-
-    _R64_CONV = gl.constexpr("bar.sync 10, 256;\n\tmov.b32 $0, $1;")
-
-    @gluon.jit
-    def _convert_584(raw, scales_raw, rope_raw, b, kn, C0: gl.constexpr, C1: gl.constexpr, TAIL: gl.constexpr):
-        """fp8_584 raw slot ``b``: e4m3 chunks ``[C0, C1)`` into the bf16 tile scaled exactly (powers of
-        two), and with ``TAIL`` the 64 bf16 dims (448..511)."""
-        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        for c in gl.static_range(C0, C1):
-            v = _e4m3_to_bf16(raw.index(8 * b + c).load(G8))
-            sc = scales_raw.index(8 * b + c).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
-            v, sc2 = gl.broadcast(v, sc[:, None])
-            kn.slice(64 * c, 64, dim=1).store(_mul_bf16(v, sc2))
-        if TAIL:
-            kn.slice(448, 64, dim=1).store(rope_raw.index(b).load(G16))
-
-    @gluon.jit
-    def _convert_r64(raw, scales_raw, rope_raw, valid_raw, b, kn, kr, scales2, valid2, sidx,
-                     HALF: gl.constexpr, KV_FORMAT: gl.constexpr):
-        """Raw slot ``b`` into the bf16 tile, the half whose dims consumer ``HALF`` multiplies in P V.
-        fp8_584 (scaled exactly, powers of two): ``HALF`` 0 the e4m3 chunks 0..3, ``HALF`` 1 the chunks
-        4..6 and the 64 bf16 dims (448..511). fp8_656 (raw e4m3 values, scaled in float32 later): the
-        chunks 0..3 or 4..7; ``HALF`` 0 also the rope dims into ``kr`` and the four scale rows into
-        ``scales2[4 sidx + g]``. ``HALF`` 0 also keeps the keys' validity in ``valid2[sidx]``."""
-        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        V1: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        if KV_FORMAT == 2:
-            _convert_584(raw, scales_raw, rope_raw, b, kn, 4 * HALF, 4 * HALF + 4 - HALF, HALF == 1)
-        else:
-            for c in gl.static_range(4 * HALF, 4 * HALF + 4):
-                kn.slice(64 * c, 64, dim=1).store(_e4m3_to_bf16(raw.index(8 * b + c).load(G8)))
-            if HALF == 0:
-                kr.store(rope_raw.index(b).load(G16))
-                for g in gl.static_range(4):
-                    scales2.index(4 * sidx + g).store(scales_raw.index(4 * b + g).load(V1))
-        if HALF == 0:
-            valid2.index(sidx).store(valid_raw.index(b).load(V1))
-
-    @gluon.jit
-    def _consumer_r64a(
-        q_ptr, stride_qt, stride_qh, stride_qd,
-        qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, scales2, valid2, p_smem, stat_smem, p_ready, p_free,
-        landed,
-        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-        sink_ptr, stride_sink,
-        out_ptr, stride_ot, stride_oh, stride_od,
-        lse_ptr, stride_lt, stride_lh,
-        ws_ptr, ws_ml_off,
-        num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
-        NRAW: gl.constexpr, KV_FORMAT: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
-        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-    ):
-        """First consumer of the 64-head raw-ring kernel: converts its half of each block (and keeps the
-        block's validity, scales and rope dims), then the first consumer's block of the 64-head kernel
-        (:func:`_attend`). The kept validity and scales alternate between two rows (``j % 2``): the
-        second consumer reads block ``j``'s scales while this one converts block ``j + 1``."""
-        pid = gl.program_id(0)
-        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
-            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
-        _cta_barrier()
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 128, 16])
-        ROWS: gl.constexpr = gl.SliceLayout(1, gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                                          instr_shape=[16, _BN, 16]))
-        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)
-        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)
-        m_i = gl.full([_BH], float("-inf"), gl.float32, layout=ROWS)
-        l_i = gl.zeros([_BH], gl.float32, layout=ROWS)
-        for blk in range(blk_lo, blk_hi):
-            j = blk - blk_lo
-            b = j % NRAW
-            sidx = j % 2
-            mbarrier.wait(landed.index(b), (j // NRAW) & 1)
-            _convert_r64(raw, scales_raw, rope_raw, valid_raw, b, kn, kr, scales2, valid2, sidx, 0, KV_FORMAT)
-            fence_async_shared()
-            _named_barrier(_R64_CONV)  # both halves of the tile are converted; the slot is read
-            o0, o1, m_i, l_i = _attend(qn, qr, kn, kr, scales2, valid2, sidx, o0, o1, m_i, l_i, qk_scale,
-                                       score_sign, p_smem, stat_smem, p_ready, p_free, j, 0, _BN, FOLD, D, False)
-        mbarrier.wait(p_free, ((blk_hi - blk_lo) & 1) ^ 1)
-        stat_smem.index(0).store(m_i)
-        stat_smem.index(1).store(l_i)
-        _cta_barrier()
-        mbarrier.arrive(p_ready)
-        _epilogue(o0, o1,
-                  gl.convert_layout(m_i, gl.SliceLayout(1, O_L)), gl.convert_layout(l_i, gl.SliceLayout(1, O_L)),
-                  pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
-                  stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale, 0, HAS_SINK, SPLIT)
-
-    @gluon.jit
-    def _consumer_r64b(
-        kn, kr, raw, rope_raw, scales_raw, valid_raw, scales2, valid2, p_smem, stat_smem, p_ready, p_free, landed,
-        free,
-        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-        sink_ptr, stride_sink,
-        out_ptr, stride_ot, stride_oh, stride_od,
-        lse_ptr, stride_lt, stride_lh,
-        ws_ptr, ws_ml_off,
-        num_heads, num_head_blocks, num_splits, lse_scale,
-        NRAW: gl.constexpr, KV_FORMAT: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
-        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-    ):
-        """Second consumer of the 64-head raw-ring kernel: converts the other half of each block (the
-        dims its P V reads), frees the slot, then the second consumer's block of the 64-head kernel."""
-        pid = gl.program_id(0)
-        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
-            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, _BN, 16])
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                      instr_shape=[16, 128, 16])
-        P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
-        COLS: gl.constexpr = gl.SliceLayout(0, S_L)
-        ROWS_O: gl.constexpr = gl.SliceLayout(1, O_L)
-        o0 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [256, 384)
-        o1 = gl.zeros([_BH, 128], gl.float32, layout=O_L)  # dims [384, 512)
-        for blk in range(blk_lo, blk_hi):
-            j = blk - blk_lo
-            b = j % NRAW
-            mbarrier.wait(landed.index(b), (j // NRAW) & 1)
-            # (dims 256..511 of the tile: the previous block's P V below has completed)
-            _convert_r64(raw, scales_raw, rope_raw, valid_raw, b, kn, kr, scales2, valid2, j % 2, 1, KV_FORMAT)
-            fence_async_shared()
-            _named_barrier(_R64_CONV)
-            mbarrier.arrive(free.index(b))  # both consumers are done with the slot
-            mbarrier.wait(p_ready, j & 1)
-            alpha = stat_smem.index(0).load(ROWS_O)[:, None]
-            if FOLD:
-                o0, o1 = _pv_scaled(p_smem.load(S_L).to(gl.float32), scales2, (j % 2) * 4 + 2, kn, o0, o1, alpha, 256,
-                                    COLS, P_L)
-            else:
-                o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
-                o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
-            o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
-            _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
-            mbarrier.arrive(p_free)
-        mbarrier.wait(p_ready, (blk_hi - blk_lo) & 1)
-        m_o = stat_smem.index(0).load(ROWS_O)
-        l_o = stat_smem.index(1).load(ROWS_O)
-        _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
-                  lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
-                  1, HAS_SINK, SPLIT)
-
-    @gluon.jit(do_not_specialize=("topk", "x_topk"))
-    def _sparse_mla_decode_hopper_r64_kernel(
-        q_ptr, stride_qt, stride_qh, stride_qd,
-        cache_ptr, stride_cp, stride_cr, page_size, num_slots,
-        idx_ptr, stride_it, stride_ik, topk,
-        len_ptr, stride_len,
-        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
-        xidx_ptr, stride_xt, stride_xk, x_topk,
-        xlen_ptr, stride_xlen,
-        sink_ptr, stride_sink,
-        out_ptr, stride_ot, stride_oh, stride_od,
-        lse_ptr, stride_lt, stride_lh,
-        ws_ptr, ws_ml_off,
-        num_heads, num_head_blocks, num_splits,
-        qk_scale, score_sign, lse_scale,
-        KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
-        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
-        WORKER_REGS: gl.constexpr, NRAW: gl.constexpr,
-    ):
-        """The 64-head raw-ring kernel (fp8_656 with one raw slot, fp8_584 with two): arguments as the
-        64-head kernel's."""
-        SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
-        R_ROWS: gl.constexpr = _BH if D == 576 else 8  # the rope dims (a stand-in for D = 512)
-        qn = gl.allocate_shared_memory(gl.bfloat16, [_BH, 512], SL)
-        qr = gl.allocate_shared_memory(gl.bfloat16, [R_ROWS, 64], SL)
-        kn = gl.allocate_shared_memory(gl.bfloat16, [_BN, 512], SL)
-        kr = gl.allocate_shared_memory(gl.bfloat16, [R_ROWS, 64], SL)
-        raw = gl.allocate_shared_memory(gl.uint8, [NRAW * 8, _BN, 64], RAW)  # chunk c of slot b at 8 b + c
-        rope_raw = gl.allocate_shared_memory(gl.bfloat16, [NRAW, _BN, 64], SL)  # rope dims / fp8_584's bf16 dims
-        scales_raw = gl.allocate_shared_memory(gl.float32, [NRAW * 8 if KV_FORMAT == 2 else NRAW * 4, _BN], VL1)
-        valid_raw = gl.allocate_shared_memory(gl.int8, [NRAW, _BN], VL1)
-        scales2 = gl.allocate_shared_memory(gl.float32, [8, _BN], VL1)  # fp8_656: the kept scales, 2 x 4 rows
-        valid2 = gl.allocate_shared_memory(gl.int8, [2, _BN], VL1)
-        p_smem = gl.allocate_shared_memory(gl.float16 if FOLD else gl.bfloat16, [_BH, _BN], SL)
-        stat_smem = gl.allocate_shared_memory(gl.float32, [2, _BH], VL1)
-        landed = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
-        free = gl.allocate_shared_memory(gl.int64, [NRAW, 1], mbarrier.MBarrierLayout())
-        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for r in gl.static_range(NRAW):
-            mbarrier.init(landed.index(r), count=1)  # the producer partition
-            mbarrier.init(free.index(r), count=1)  # the second consumer, after both have converted
-        mbarrier.init(p_ready, count=1)
-        mbarrier.init(p_free, count=1)
-        fence_async_shared()
-        gl.warp_specialize(
-            [(_consumer_r64a, (q_ptr, stride_qt, stride_qh, stride_qd,
-                               qn, qr, kn, kr, raw, rope_raw, scales_raw, valid_raw, scales2, valid2, p_smem,
-                               stat_smem, p_ready, p_free, landed,
-                               len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-                               sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
-                               stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
-                               score_sign, lse_scale, NRAW, KV_FORMAT, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN,
-                               HAS_SINK, SPLIT)),
-             (_consumer_r64b, (kn, kr, raw, rope_raw, scales_raw, valid_raw, scales2, valid2, p_smem, stat_smem,
-                               p_ready, p_free, landed, free,
-                               len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
-                               sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
-                               stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
-                               NRAW, KV_FORMAT, FOLD, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
-             (_producer_r, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
-                            xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                            stride_xk, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks,
-                            num_splits, raw, rope_raw, scales_raw, valid_raw, landed, free,
-                            NRAW, KV_FORMAT, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
-            [4, 4],
-            WORKER_REGS,
-        )
 
 # =====================================================================================================
 # host side
@@ -1641,18 +1087,12 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
                 HAS_SINK=attn_sink is not None, SPLIT=plan.num_splits > 1)
-    if uses_raw_ring(kv_format, plan):
-        kernel = _sparse_mla_decode_hopper_r_kernel
-        meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T, NRAW=_RAW_SLOTS)
-    elif plan.transposed:
+    if plan.transposed:
         kernel = _sparse_mla_decode_hopper_t_kernel
-        meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T, EARLY=_EARLY_ISSUE["few"])
-    elif _RAW_RING_64.get(kv_format, False):
-        kernel = _sparse_mla_decode_hopper_r64_kernel
-        meta.update(WORKER_REGS=_WORKER_REGS_R64[kv_format], NRAW=_RAW_SLOTS_64[kv_format])
+        meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T)
     else:
         kernel = _sparse_mla_decode_hopper_kernel
-        meta.update(WORKER_REGS=_WORKER_REGS[kv_format], EARLY=_EARLY_ISSUE["rows"], NAMED=_NAMED_HANDOFF)
+        meta.update(WORKER_REGS=_WORKER_REGS[kv_format])
     return KernelLaunch(kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args, meta, num_warps=4,
                         device=q.device)
 

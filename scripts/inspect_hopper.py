@@ -36,19 +36,12 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
     constexprs = dict(KV_FORMAT={"auto": 0, "fp8_656": 1, "fp8_584": 2}[kv_format], D=dim, FOLD=kv_format == "fp8_656",
                       HAS_LEN=lengths, HAS_EXTRA=extra, HAS_XLEN=extra and lengths, HAS_SINK=sink, SPLIT=split,
                       stride_qd=1, stride_od=1)
-    if heads == 64 and hopper._RAW_RING_64.get(kv_format, False):
-        fn = hopper._sparse_mla_decode_hopper_r64_kernel
-        constexprs.update(WORKER_REGS=hopper._WORKER_REGS_R64[kv_format], NRAW=hopper._RAW_SLOTS_64[kv_format])
-    elif heads == 64:
+    if heads == 64:
         fn = hopper._sparse_mla_decode_hopper_kernel
-        constexprs.update(WORKER_REGS=hopper._WORKER_REGS[kv_format], EARLY=hopper._EARLY_ISSUE["rows"],
-                          NAMED=hopper._NAMED_HANDOFF)
-    elif kv_format in ("fp8_656", "fp8_584") and hopper._RAW_RING and heads == 16:
-        fn = hopper._sparse_mla_decode_hopper_r_kernel
-        constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T, NRAW=hopper._RAW_SLOTS)
+        constexprs.update(WORKER_REGS=hopper._WORKER_REGS[kv_format])
     else:
         fn = hopper._sparse_mla_decode_hopper_t_kernel
-        constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T, EARLY=hopper._EARLY_ISSUE["few"])
+        constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T)
     names = fn.arg_names
     cache_ty = "*bf16" if kv_format == "auto" else "*u8"
     pointer_types = {"q_ptr": "*bf16", "cache_ptr": cache_ty, "xcache_ptr": cache_ty, "idx_ptr": "*i32",

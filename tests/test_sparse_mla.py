@@ -587,16 +587,16 @@ def test_hopper_plan_few_heads(heads, block_h):
 
 
 @pytest.mark.parametrize("kv_format,heads,config,kernel", [
-    ("fp8_656", 16, None, "_sparse_mla_decode_hopper_r_kernel"),
+    ("fp8_656", 16, None, "_sparse_mla_decode_hopper_t_kernel"),
     ("fp8_656", 20, None, "_sparse_mla_decode_hopper_t_kernel"),
-    ("fp8_584", 16, None, "_sparse_mla_decode_hopper_r_kernel"),
+    ("fp8_584", 16, None, "_sparse_mla_decode_hopper_t_kernel"),
     ("fp8_584", 32, None, "_sparse_mla_decode_hopper_t_kernel"),
     ("auto", 32, None, "_sparse_mla_decode_hopper_t_kernel"),
-    ("fp8_656", 128, None, "_sparse_mla_decode_hopper_r64_kernel"),
-    ("fp8_584", 64, None, "_sparse_mla_decode_hopper_r64_kernel"),
+    ("fp8_656", 128, None, "_sparse_mla_decode_hopper_kernel"),
+    ("fp8_584", 64, None, "_sparse_mla_decode_hopper_kernel"),
     ("auto", 64, None, "_sparse_mla_decode_hopper_kernel"),
-    ("fp8_584", 16, dict(transposed=False, block_h=64), "_sparse_mla_decode_hopper_r64_kernel"),
-    ("fp8_656", 40, dict(transposed=True, block_h=16), "_sparse_mla_decode_hopper_r_kernel"),
+    ("fp8_584", 16, dict(transposed=False, block_h=64), "_sparse_mla_decode_hopper_kernel"),
+    ("fp8_656", 40, dict(transposed=True, block_h=16), "_sparse_mla_decode_hopper_t_kernel"),
 ])
 def test_hopper_launch_picks_kernel(kv_format, heads, config, kernel):
     """Without a GPU: each plan names the kernel meant for it, and the launch's run-time arguments and
@@ -961,14 +961,12 @@ def test_cuda_hopper_parity(spec, num_splits):
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 
-# The Hopper kernels on the shapes where each can run: the few-heads ones (16 or 32 heads per CTA,
-# transposed products; at 16 heads the fp8 formats have the raw-ring kernel, "few16", and the two-stage
-# one, "few16_stages") and the 64-head one, forced every way, also with several head blocks.
+# The Hopper kernels on the shapes where each can run: the few-heads one (16 or 32 heads per CTA,
+# transposed products) and the 64-head one, forced every way, also with several head blocks.
 _HEAD_FORMS = {
-    "few16": (dict(transposed=True, block_h=16), True),
-    "few16_stages": (dict(transposed=True, block_h=16), False),
-    "few32": (dict(transposed=True, block_h=32), True),
-    "rows64": (dict(transposed=False, block_h=64), True),
+    "few16": dict(transposed=True, block_h=16),
+    "few32": dict(transposed=True, block_h=32),
+    "rows64": dict(transposed=False, block_h=64),
 }
 
 
@@ -980,47 +978,12 @@ _HEAD_FORMS = {
          page_pad=32, extra_page_pad=16)
     for f, k2 in (("fp8_656", 0), ("fp8_584", 48), ("auto", 0)) for h in (3, 20, 40)
 ], ids=str)
-def test_cuda_hopper_head_forms(spec, form, num_splits, monkeypatch):
-    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
-
-    config, raw_ring = _HEAD_FORMS[form]
-    if not raw_ring and spec.kv_format == "auto":
-        pytest.skip("the raw ring exists for the fp8 formats only")
-    monkeypatch.setattr(hopper, "_RAW_RING", raw_ring)
-    mla_ops._PLANS.clear()  # plans are cached by shapes, not by that switch
+def test_cuda_hopper_head_forms(spec, form, num_splits):
     kwargs = make_inputs(spec)
     dev = _to_device(kwargs, "cuda")
     out, lse = _outputs_like(kwargs, "cuda")
     mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper",
-                                     config=config)
-    mla_ops._PLANS.clear()
-    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
-
-
-@requires_hopper
-@pytest.mark.parametrize("num_splits", [None, 1, 3], ids=lambda s: f"splits={s or 'auto'}")
-@pytest.mark.parametrize("raw_ring", [True, False], ids=["raw_ring", "stages"])
-@pytest.mark.parametrize("spec", [
-    Spec(kv_format=f, T=5, H=40, K=200, K2=k2, lengths=True, sink="finite", bad_indices=True, empty_row=True,
-         page_pad=32, extra_page_pad=16) for f, k2 in (("fp8_584", 48), ("fp8_656", 0), ("fp8_656", 40))
-] + [
-    Spec(kv_format="fp8_584", T=4, H=64, K=128, K2=512, lengths=True, sink="finite", page_pad=64, extra_page_pad=64),
-    Spec(kv_format="fp8_584", T=3, H=128, K=70, bad_indices=True),
-    Spec(kv_format="fp8_656", T=3, H=128, K=300, scale=0.3, sink="finite"),
-], ids=str)
-def test_cuda_hopper_raw_ring_forms(spec, raw_ring, num_splits, monkeypatch):
-    """The fp8 formats at 64 heads per CTA: the raw-ring kernel (the consumers convert) and the
-    two-stage one."""
-    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
-
-    monkeypatch.setattr(hopper, "_RAW_RING_64", {"fp8_584": raw_ring, "fp8_656": raw_ring})
-    mla_ops._PLANS.clear()  # plans are cached by shapes, not by that switch
-    kwargs = make_inputs(spec)
-    dev = _to_device(kwargs, "cuda")
-    out, lse = _outputs_like(kwargs, "cuda")
-    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper",
-                                     config=dict(transposed=False, block_h=64))
-    mla_ops._PLANS.clear()
+                                     config=_HEAD_FORMS[form])
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 
