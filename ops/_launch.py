@@ -113,8 +113,10 @@ class LaunchPlan:
     ``block_h`` query heads per program (``head_blocks`` programs cover the heads of a token or of a
     KV head's group), ``block_n`` keys per tile, the key list of each row split over ``num_splits``
     programs (merged by a combine kernel when > 1), ``num_warps`` and ``num_stages`` for the compiler;
-    ``transposed`` (sparse GQA only) the transposed tile products for a value cache, whose head block
-    would otherwise use per-warp key groups (``ops/sparse_gqa.py::key_groups``). Launchers accept
+    ``transposed`` the transposed tile products (keys on the M side, heads on the N side): in sparse GQA
+    for a value cache whose head block would otherwise use per-warp key groups
+    (``ops/sparse_gqa.py::key_groups``), in the Hopper sparse-MLA kernel for at most 32 heads
+    (``ops/sparse_mla_hopper.py::plan_launch``; the portable MLA kernel ignores it). Launchers accept
     ``num_splits=`` and ``config={field: value}`` overrides (tests use them to reach every path on
     small inputs, ``scripts/sweep_*.py`` to time alternatives).
     """

@@ -760,6 +760,8 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
         if use_hopper:
             plan = hopper.plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device),
                                       num_splits).with_overrides(config)
+            if plan.head_blocks != cdiv(q.shape[1], plan.block_h):  # a block_h override
+                plan = dataclasses.replace(plan, head_blocks=cdiv(q.shape[1], plan.block_h))
             entry = _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink,
                                           extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
         else:

@@ -24,6 +24,11 @@ tensor-core work. This kernel does both, with explicit warp specialisation:
     second only rescales its half of ``O`` and adds ``P V``: ``Q K^T`` is computed once per block.
     Both release the stage (``empty`` barrier, count 2).
 
+- **At most 32 heads** (``H`` = 16 is DeepSeek-V3.2's 128 heads over eight GPUs) take the few-heads
+  kernel (``_sparse_mla_decode_hopper_t_kernel``): 16 or 32 heads per CTA, the products transposed
+  (``S^T = K Q^T``, ``O^T += V^T P^T``) so the keys are the 64-row M side of ``wgmma`` and the heads its
+  N side, one consumer warpgroup and the same producer and ring. A 64-head CTA would spend three
+  quarters of its MMA work on padding.
 - **Exactness.** ``fp8_584`` scales are powers of two, so the tile holds the exact dequantised values.
   ``fp8_656`` scales are arbitrary floats: the tile holds the raw e4m3 values (exact in bf16), each
   scale group's partial product is scaled in float32 (``S += s_g * (Q_g K_g^T)``) and the probabilities
@@ -80,6 +85,8 @@ _ONE_BLOCK_CTAS = 64
 # 172 bytes at 176 registers; at 200 it spills 68 and the kernel runs 17-21% faster on an H200
 # (docs/sparse_mla_hopper.md, "Register split"). The other formats are fastest at (176, 80).
 _WORKER_REGS = {"fp8_656": (200, 56), "fp8_584": (176, 80), "auto": (176, 80)}
+# The few-heads kernel (two warpgroups): registers per thread of its producer; its consumer gets the rest.
+_WORKER_REGS_T = 96
 
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
@@ -721,6 +728,276 @@ if HAS_GLUON:
         )
 
 
+    # -------------------------------------------------------------------------------------------------
+    # few heads (H <= 32): the transposed products, one consumer
+    # -------------------------------------------------------------------------------------------------
+    # A 64-row wgmma wastes three quarters of its work on 16 heads. With the products transposed the
+    # keys are the M side and the heads the N side (16 or 32): ``S^T = K Q^T`` ([64 keys, HB]) and
+    # ``O^T += V^T P^T`` ([512 dims, HB], four accumulators of 128 dims), so one warpgroup does the
+    # whole block with a quarter (HB = 16) of the MMA work and no P hand-off. The producer and the ring
+    # are those of the 64-head kernel.
+
+    @gluon.jit
+    def _load_q_t(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB: gl.constexpr,
+                  D: gl.constexpr):
+        """Stage this CTA's ``HB`` query rows (zeros past ``num_heads``) in shared memory, once."""
+        G16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        heads = hb * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, G16))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
+        col_offs = cols.to(gl.int64)[None, :] * stride_qd  # int64: see _load_q
+        chunk = 64 * gl.cast(stride_qd, gl.int64)
+        rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh + col_offs
+        ok = (heads < num_heads)[:, None]
+        for half in gl.static_range(2):
+            c0 = rows + (4 * half) * chunk
+            x0 = gl.load(c0, mask=ok, other=0.0)
+            x1 = gl.load(c0 + chunk, mask=ok, other=0.0)
+            x2 = gl.load(c0 + 2 * chunk, mask=ok, other=0.0)
+            x3 = gl.load(c0 + 3 * chunk, mask=ok, other=0.0)
+            if half == 1 and D == 576:
+                qr.store(gl.load(rows + 8 * chunk, mask=ok, other=0.0))
+            qn.slice(256 * half, 64, dim=1).store(x0)
+            qn.slice(256 * half + 64, 64, dim=1).store(x1)
+            qn.slice(256 * half + 128, 64, dim=1).store(x2)
+            qn.slice(256 * half + 192, 64, dim=1).store(x3)
+        fence_async_shared()
+
+    @gluon.jit
+    def _scale_vec(sc, HB: gl.constexpr, SC_SMEM: gl.constexpr):
+        """The keys' scales of one group, float32 ``[64]``: ``sc`` itself, or loaded from the shared
+        memory row ``sc`` (``SC_SMEM``; loaded where used, so they take no registers across the MMAs)."""
+        if SC_SMEM:
+            S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                          instr_shape=[16, HB, 16])
+            return sc.load(gl.SliceLayout(1, S_L))
+        else:
+            return sc
+
+    @gluon.jit
+    def _scores_t(qn, qr, kn, kr, sc0, sc1, sc2, sc3, HB: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr,
+                  SC_SMEM: gl.constexpr):
+        """``S^T = K Q^T`` of one K tile, float32 ``[64 keys, HB]``; fp8_656 (``FOLD``) scales scale group
+        ``g``'s partial product by the keys' scales ``sc<g>`` (see :func:`_scale_vec`) in float32, as the
+        64-head kernel does."""
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
+        if FOLD:
+            acc = warpgroup_mma(kn.slice(0, 64, dim=1), qn.slice(0, 64, dim=1).permute((1, 0)), zero_s,
+                                use_acc=False, is_async=True)
+            acc = warpgroup_mma(kn.slice(64, 64, dim=1), qn.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            s = acc * _scale_vec(sc0, HB, SC_SMEM)[:, None]
+            for g in gl.static_range(1, 4):
+                acc = warpgroup_mma(kn.slice(128 * g, 64, dim=1), qn.slice(128 * g, 64, dim=1).permute((1, 0)),
+                                    acc, use_acc=False, is_async=True)
+                acc = warpgroup_mma(kn.slice(128 * g + 64, 64, dim=1),
+                                    qn.slice(128 * g + 64, 64, dim=1).permute((1, 0)), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc,))
+                if g == 1:
+                    s = s + acc * _scale_vec(sc1, HB, SC_SMEM)[:, None]
+                elif g == 2:
+                    s = s + acc * _scale_vec(sc2, HB, SC_SMEM)[:, None]
+                else:
+                    s = s + acc * _scale_vec(sc3, HB, SC_SMEM)[:, None]
+            s = warpgroup_mma(kr, qr.permute((1, 0)), s, is_async=True)
+        else:
+            if D == 576:
+                s = warpgroup_mma(kr, qr.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                for c in gl.static_range(8):
+                    s = warpgroup_mma(kn.slice(64 * c, 64, dim=1), qn.slice(64 * c, 64, dim=1).permute((1, 0)), s,
+                                      is_async=True)
+            else:
+                s = warpgroup_mma(kn.slice(0, 64, dim=1), qn.slice(0, 64, dim=1).permute((1, 0)), zero_s,
+                                  use_acc=False, is_async=True)
+                for c in gl.static_range(1, 8):
+                    s = warpgroup_mma(kn.slice(64 * c, 64, dim=1), qn.slice(64 * c, 64, dim=1).permute((1, 0)), s,
+                                      is_async=True)
+        return warpgroup_mma_wait(0, deps=(s,))
+
+    @gluon.jit
+    def _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i, qk_scale, score_sign,
+                  HB: gl.constexpr, FOLD: gl.constexpr, SC_SMEM: gl.constexpr):
+        """One block of the few-heads kernels after ``S^T``: the overflow-safe online softmax of the
+        64-head kernel down the columns (the keys), ``P^T`` to shared memory (bf16; fp8_656: one copy
+        per scale group, each rounded once from ``P * s_g`` in float32) and ``O^T += V^T P^T``, with V
+        the K tile read transposed. Returns ``(o0, o1, o2, o3, m_i, l_i)``; the MMAs have completed."""
+        u = s * score_sign
+        u = gl.where(u == u, gl.minimum(gl.maximum(u, -_FLT_MAX), _FLT_MAX), -_FLT_MAX)
+        u = gl.where(valid[:, None], u, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(u, axis=0))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
+        p = gl.exp2((u - m_use[None, :]) * qk_scale)
+        l_i = l_i * alpha + gl.sum(p, axis=0)
+        if FOLD:
+            pt_smem.index(0).store((p * _scale_vec(sc0, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt_smem.index(1).store((p * _scale_vec(sc1, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt_smem.index(2).store((p * _scale_vec(sc2, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt_smem.index(3).store((p * _scale_vec(sc3, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+        else:
+            pt_smem.index(0).store(p.to(gl.bfloat16))
+        fence_async_shared()
+        _cta_barrier()  # every warp's part of P^T is stored before any warp's MMA reads it
+        a = alpha[None, :]
+        if FOLD:
+            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt_smem.index(0), o0 * a, is_async=True)
+            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt_smem.index(1), o1 * a, is_async=True)
+            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt_smem.index(2), o2 * a, is_async=True)
+            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt_smem.index(3), o3 * a, is_async=True)
+        else:
+            pt = pt_smem.index(0)
+            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt, o0 * a, is_async=True)
+            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt, o1 * a, is_async=True)
+            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt, o2 * a, is_async=True)
+            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt, o3 * a, is_async=True)
+        o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
+        return o0, o1, o2, o3, m_new, l_i
+
+    @gluon.jit
+    def _epilogue_t(o, g: gl.constexpr, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh,
+                    stride_od, lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks,
+                    num_splits, lse_scale, HB: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
+        """Output dims ``[128 g, 128 g + 128)`` from ``o`` (``[128 dims, HB]``) into ``out`` (or the split
+        workspace); group 0 also writes ``lse`` (or ``m``, ``l``). As :func:`_epilogue`, transposed."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        heads = hb * HB + gl.arange(0, HB, layout=gl.SliceLayout(0, O_L))
+        head_ok = heads < num_heads
+        dims = 128 * g + gl.arange(0, 128, layout=gl.SliceLayout(1, O_L))
+        if SPLIT:
+            split = (pid // num_head_blocks) % num_splits
+            row = (t * num_splits + split) * num_heads + heads.to(gl.int64)  # [T, S, H] row of the workspace
+            gl.store(ws_ptr + row[None, :] * 512 + dims[:, None], o, mask=head_ok[None, :])
+            if g == 0:
+                gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
+                gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
+        else:
+            has = l_o > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
+            lse = m_o * lse_scale + gl.log2(gl.where(has, l_o, 1.0)) * _LN2
+            lse = gl.where(has, gl.minimum(gl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
+            factor = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
+            if HAS_SINK:
+                sink = gl.load(sink_ptr + heads.to(gl.int64) * stride_sink, mask=head_ok, other=float("-inf"))
+                factor = gl.where(has, factor / (1.0 + gl.exp(sink - gl.where(has, lse, 0.0))), 0.0)
+            ptrs = (out_ptr + t * stride_ot + heads.to(gl.int64)[None, :] * stride_oh
+                    + dims.to(gl.int64)[:, None] * stride_od)
+            gl.store(ptrs, (o * factor[None, :]).to(gl.bfloat16), mask=head_ok[None, :])
+            if g == 0:
+                gl.store(lse_ptr + t * stride_lt + heads.to(gl.int64) * stride_lh, lse, mask=head_ok)
+
+    @gluon.jit
+    def _consumer_t(
+        q_ptr, stride_qt, stride_qh, stride_qd,
+        qn, qr, knope, krope, scales, valid_smem, pt_smem, ready, empty,
+        len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits, qk_scale, score_sign, lse_scale,
+        HB: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+    ):
+        """The one consumer of the few-heads kernel: stages Q, then per block ``S^T = K Q^T``, the online
+        softmax over the keys (a column of ``S^T``), ``P^T`` to shared memory and ``O^T += V^T P^T``."""
+        pid = gl.program_id(0)
+        t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
+            pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+            HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
+        _load_q_t(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB, D)
+        _cta_barrier()  # every warp's part of Q is stored (and fenced) before the first MMA
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
+        HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
+        o0 = gl.zeros([128, HB], gl.float32, layout=S_L)  # O^T, dims [0, 128)
+        o1 = gl.zeros([128, HB], gl.float32, layout=S_L)  # dims [128, 256)
+        o2 = gl.zeros([128, HB], gl.float32, layout=S_L)  # dims [256, 384)
+        o3 = gl.zeros([128, HB], gl.float32, layout=S_L)  # dims [384, 512)
+        m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
+        l_i = gl.zeros([HB], gl.float32, layout=HEADS)
+        for blk in range(blk_lo, blk_hi):
+            i = blk - blk_lo
+            stage = i % 2
+            mbarrier.wait(ready.index(stage), (i // 2) & 1)
+            kn = knope.index(stage)
+            valid = valid_smem.index(stage).load(KEYS) != 0
+            # the scale rows of the stage (fp8_656; other formats do not read them)
+            sc0 = scales.index(stage * 4)
+            sc1 = scales.index(stage * 4 + 1)
+            sc2 = scales.index(stage * 4 + 2)
+            sc3 = scales.index(stage * 4 + 3)
+            s = _scores_t(qn, qr, kn, krope.index(stage), sc0, sc1, sc2, sc3, HB, FOLD, D, True)
+            o0, o1, o2, o3, m_i, l_i = _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i,
+                                                 qk_scale, score_sign, HB, FOLD, True)
+            mbarrier.arrive(empty.index(stage))  # after the partition's barrier: every warp is done
+        _epilogue_t(o0, 0, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
+                    lse_scale, HB, HAS_SINK, SPLIT)
+        _epilogue_t(o1, 1, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
+                    lse_scale, HB, HAS_SINK, SPLIT)
+        _epilogue_t(o2, 2, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
+                    lse_scale, HB, HAS_SINK, SPLIT)
+        _epilogue_t(o3, 3, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
+                    lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
+                    lse_scale, HB, HAS_SINK, SPLIT)
+
+    @gluon.jit(do_not_specialize=("topk", "x_topk"))
+    def _sparse_mla_decode_hopper_t_kernel(
+        q_ptr, stride_qt, stride_qh, stride_qd,
+        cache_ptr, stride_cp, stride_cr, page_size, num_slots,
+        idx_ptr, stride_it, stride_ik, topk,
+        len_ptr, stride_len,
+        xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots,
+        xidx_ptr, stride_xt, stride_xk, x_topk,
+        xlen_ptr, stride_xlen,
+        sink_ptr, stride_sink,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        lse_ptr, stride_lt, stride_lh,
+        ws_ptr, ws_ml_off,
+        num_heads, num_head_blocks, num_splits,
+        qk_scale, score_sign, lse_scale,
+        KV_FORMAT: gl.constexpr, D: gl.constexpr, FOLD: gl.constexpr, HAS_LEN: gl.constexpr,
+        HAS_EXTRA: gl.constexpr, HAS_XLEN: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr,
+        HB: gl.constexpr, WORKER_REGS: gl.constexpr,
+    ):
+        """The few-heads kernel: arguments as :func:`_sparse_mla_decode_hopper_kernel`, ``HB`` (16 or 32)
+        heads per CTA. Shared memory: Q ``[HB, 576]``, the same two-stage ring, ``P^T`` (four copies for
+        fp8_656)."""
+        SL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
+        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        R_ROWS: gl.constexpr = _BN if D == 576 else 8  # the rope dims of the ring (a stand-in for D = 512)
+        qn = gl.allocate_shared_memory(gl.bfloat16, [HB, 512], SL)
+        qr = gl.allocate_shared_memory(gl.bfloat16, [HB, 64], SL)
+        knope = gl.allocate_shared_memory(gl.bfloat16, [2, _BN, 512], SL)
+        krope = gl.allocate_shared_memory(gl.bfloat16, [2, R_ROWS, 64], SL)
+        scales = gl.allocate_shared_memory(gl.float32, [16 if KV_FORMAT == 2 else 8, _BN], VL1)
+        valid_smem = gl.allocate_shared_memory(gl.int8, [2, _BN], VL1)
+        pt_smem = gl.allocate_shared_memory(gl.bfloat16, [4 if FOLD else 1, _BN, HB], PL)
+        ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(2):
+            mbarrier.init(ready.index(s), count=1)  # the producer partition
+            mbarrier.init(empty.index(s), count=1)  # the consumer partition
+        fence_async_shared()
+        gl.warp_specialize(
+            [(_consumer_t, (q_ptr, stride_qt, stride_qh, stride_qd,
+                            qn, qr, knope, krope, scales, valid_smem, pt_smem, ready, empty,
+                            len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
+                            sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
+                            stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,
+                            score_sign, lse_scale, HB, FOLD, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, HAS_SINK, SPLIT)),
+             (_producer, (cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
+                          xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
+                          len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk, num_head_blocks, num_splits,
+                          knope, krope, scales, valid_smem, ready, empty,
+                          KV_FORMAT, D, HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT))],
+            [4],
+            [WORKER_REGS],
+        )
+
+
 # =====================================================================================================
 # host side
 # =====================================================================================================
@@ -766,8 +1043,13 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
     Exception: when one block per CTA still makes at most ``_ONE_BLOCK_CTAS`` CTAs, every block gets
     its own split. There the call is bound by the latency of one CTA's chain (slot ids, gathers,
     math, partials), which a second block lengthens more than the wider combine costs, e.g. fp8_584
-    H=64 K=640 T=1: 17.9 us with 10 splits of one block against 20.5 us with 5 of two."""
-    head_blocks = cdiv(num_heads, BLOCK_H)
+    H=64 K=640 T=1: 17.9 us with 10 splits of one block against 20.5 us with 5 of two.
+
+    At most 32 heads (``H`` = 16 is DeepSeek-V3.2's 128 heads over 8 GPUs) take the few-heads kernel
+    (``transposed``): 16 or 32 heads per CTA, the products transposed so the heads are the N side of
+    the MMA instead of padding a 64-row M side."""
+    block_h = few_heads_block(num_heads)
+    head_blocks = cdiv(num_heads, block_h)
     programs = max(num_tokens * head_blocks, 1)
     if num_splits is None:
         blocks = cdiv(k_total, BLOCK_N)
@@ -775,8 +1057,23 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,
             num_splits = max(blocks, 1)
         else:
             num_splits = max(1, min(num_sms // programs, blocks // _MIN_BLOCKS_PER_SPLIT))
-    return LaunchPlan(block_h=BLOCK_H, head_blocks=head_blocks, block_n=BLOCK_N, num_splits=num_splits,
-                      num_warps=4, num_stages=1)
+    return LaunchPlan(block_h=block_h, head_blocks=head_blocks, block_n=BLOCK_N, num_splits=num_splits,
+                      num_warps=4, num_stages=1, transposed=block_h < BLOCK_H)
+
+
+def few_heads_block(num_heads: int) -> int:
+    """Heads per CTA: 16 or 32 (the few-heads kernel) for at most 32 heads, else ``BLOCK_H``."""
+    return 16 if num_heads <= 16 else 32 if num_heads <= 32 else BLOCK_H
+
+
+def check_plan(plan: LaunchPlan) -> None:
+    """A plan (after ``config=`` overrides) names a kernel that exists: the 64-head one (``block_h``
+    64) or the few-heads one (``transposed``, ``block_h`` 16 or 32)."""
+    if plan.transposed and plan.block_h not in (16, 32):
+        raise ValueError(f"config: the few-heads Hopper kernel takes block_h 16 or 32, not {plan.block_h}")
+    if not plan.transposed and plan.block_h != BLOCK_H:
+        raise ValueError(f"config: the Hopper kernel takes block_h {BLOCK_H} (or 16 / 32 with transposed=True), "
+                         f"not {plan.block_h}")
 
 
 def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cache, extra_topk_length,
@@ -786,12 +1083,18 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
     of the portable combine kernel (``acc`` of 512 dims per row)."""
     num_tokens, _, dim = q.shape
     has_extra = extra_kv_cache is not None
+    check_plan(plan)
     meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], D=dim, FOLD=kv_format == "fp8_656", HAS_LEN=topk_length is not None,
                 HAS_EXTRA=has_extra, HAS_XLEN=has_extra and extra_topk_length is not None,
-                HAS_SINK=attn_sink is not None, SPLIT=plan.num_splits > 1,
-                WORKER_REGS=_WORKER_REGS[kv_format])
-    return KernelLaunch(_sparse_mla_decode_hopper_kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args,
-                        meta, num_warps=4, device=q.device)
+                HAS_SINK=attn_sink is not None, SPLIT=plan.num_splits > 1)
+    if plan.transposed:
+        kernel = _sparse_mla_decode_hopper_t_kernel
+        meta.update(HB=plan.block_h, WORKER_REGS=_WORKER_REGS_T)
+    else:
+        kernel = _sparse_mla_decode_hopper_kernel
+        meta.update(WORKER_REGS=_WORKER_REGS[kv_format])
+    return KernelLaunch(kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args, meta, num_warps=4,
+                        device=q.device)
 
 
-__all__ = ["BLOCK_H", "HAS_GLUON", "make_launch", "plan_launch", "supported"]
+__all__ = ["BLOCK_H", "HAS_GLUON", "check_plan", "few_heads_block", "make_launch", "plan_launch", "supported"]

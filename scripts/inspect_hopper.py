@@ -27,16 +27,23 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 
 
-def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True, lengths: bool = True):
+def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True, lengths: bool = True,
+                    heads: int = 64):
+    """``heads`` 64: the 64-head kernel; 16 or 32: the few-heads kernel with that many heads per CTA."""
     from triton.experimental import gluon
 
-    fn = hopper._sparse_mla_decode_hopper_kernel
-    names = fn.arg_names
-    cache_ty = "*bf16" if kv_format == "auto" else "*u8"
     dim = 512 if kv_format == "fp8_584" else 576
     constexprs = dict(KV_FORMAT={"auto": 0, "fp8_656": 1, "fp8_584": 2}[kv_format], D=dim, FOLD=kv_format == "fp8_656",
                       HAS_LEN=lengths, HAS_EXTRA=extra, HAS_XLEN=extra and lengths, HAS_SINK=sink, SPLIT=split,
-                      WORKER_REGS=hopper._WORKER_REGS[kv_format], stride_qd=1, stride_od=1)
+                      stride_qd=1, stride_od=1)
+    if heads == 64:
+        fn = hopper._sparse_mla_decode_hopper_kernel
+        constexprs.update(WORKER_REGS=hopper._WORKER_REGS[kv_format])
+    else:
+        fn = hopper._sparse_mla_decode_hopper_t_kernel
+        constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T)
+    names = fn.arg_names
+    cache_ty = "*bf16" if kv_format == "auto" else "*u8"
     pointer_types = {"q_ptr": "*bf16", "cache_ptr": cache_ty, "xcache_ptr": cache_ty, "idx_ptr": "*i32",
                      "xidx_ptr": "*i32", "len_ptr": "*i32", "xlen_ptr": "*i32", "sink_ptr": "*fp32",
                      "out_ptr": "*bf16", "lse_ptr": "*fp32", "ws_ptr": "*fp32"}
@@ -78,7 +85,7 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     ldg128 = len(re.findall(r"LDG\.E\.128", sass))
     setmax = sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     maxnreg = re.findall(r"maxnreg (\d+)", ptx)
-    line = (f"{label:34s} maxnreg={maxnreg} setmaxnreg={setmax} "
+    line = (f"{label:44s} maxnreg={maxnreg} setmaxnreg={setmax} "
             f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
             f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items()))
     if sass_dir:
@@ -92,16 +99,19 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", help="also write each variant's SASS into this folder")
     parser.add_argument("--only", help="comma-separated formats (auto, fp8_656, fp8_584)")
+    parser.add_argument("--heads", default="64,16,32",
+                        help="comma-separated heads per CTA: 64 (the 64-head kernel), 16 and 32 (the few-heads kernel)")
     args = parser.parse_args(argv)
     if not hopper.HAS_GLUON:
         print("this triton has no usable Gluon for Hopper", file=sys.stderr)
         return 1
     formats = args.only.split(",") if args.only else ["fp8_656", "fp8_584", "auto"]
     print(f"triton {triton.__version__}")
-    for kv_format in formats:
-        for split, extra in ((False, False), (True, False), (False, True)):
-            label = f"{kv_format} split={int(split)} extra={int(extra)}"
-            print(report(compile_variant(kv_format, split, extra), label, args.sass), flush=True)
+    for heads in (int(h) for h in args.heads.split(",")):
+        for kv_format in formats:
+            for split, extra in ((False, False), (True, False), (False, True)):
+                label = f"{kv_format} heads={heads} split={int(split)} extra={int(extra)}"
+                print(report(compile_variant(kv_format, split, extra, heads=heads), label, args.sass), flush=True)
     return 0
 
 

@@ -567,6 +567,58 @@ def test_hopper_split_heuristic(tokens, heads, k, splits):
     assert hopper.plan_launch(tokens, heads, k, 132, num_splits=3).num_splits == 3
 
 
+@pytest.mark.parametrize("heads,block_h", [(1, 16), (16, 16), (17, 32), (20, 32), (32, 32), (33, 64), (64, 64),
+                                           (128, 64)])
+def test_hopper_plan_few_heads(heads, block_h):
+    """At most 32 heads take the few-heads Hopper kernel (16 or 32 heads per CTA, transposed products);
+    ``config`` overrides must name a kernel that exists."""
+    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+
+    plan = hopper.plan_launch(8, heads, 2048, 132)
+    assert (plan.block_h, plan.transposed) == (block_h, block_h < 64)
+    assert plan.head_blocks == -(-heads // block_h)
+    hopper.check_plan(plan)
+    if plan.transposed:
+        hopper.check_plan(dataclasses.replace(plan, transposed=False, block_h=64))  # the 64-head kernel
+        with pytest.raises(ValueError, match="takes block_h 64"):
+            hopper.check_plan(dataclasses.replace(plan, transposed=False))
+    with pytest.raises(ValueError, match="few-heads Hopper kernel takes block_h 16 or 32"):
+        hopper.check_plan(dataclasses.replace(plan, transposed=True, block_h=64))
+
+
+@pytest.mark.parametrize("kv_format,heads,config,kernel", [
+    ("fp8_656", 16, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("fp8_656", 20, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("fp8_584", 16, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("fp8_584", 32, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("auto", 32, None, "_sparse_mla_decode_hopper_t_kernel"),
+    ("fp8_656", 128, None, "_sparse_mla_decode_hopper_kernel"),
+    ("fp8_584", 64, None, "_sparse_mla_decode_hopper_kernel"),
+    ("auto", 64, None, "_sparse_mla_decode_hopper_kernel"),
+    ("fp8_584", 16, dict(transposed=False, block_h=64), "_sparse_mla_decode_hopper_kernel"),
+    ("fp8_656", 40, dict(transposed=True, block_h=16), "_sparse_mla_decode_hopper_t_kernel"),
+])
+def test_hopper_launch_picks_kernel(kv_format, heads, config, kernel):
+    """Without a GPU: each plan names the kernel meant for it, and the launch's run-time arguments and
+    constexprs are exactly that kernel's parameters (``KernelLaunch`` checks them when it is built)."""
+    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+
+    if not hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    spec = Spec(kv_format=kv_format, T=3, H=heads, K=200, K2=48 if kv_format == "fp8_584" else 0, lengths=True,
+                sink="finite", page_pad=32, extra_page_pad=16)
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs, "cpu")
+    plan = hopper.plan_launch(3, heads, 200, 132, num_splits=3).with_overrides(config)
+    plan = dataclasses.replace(plan, head_blocks=-(-heads // plan.block_h))
+    _, main, combine = mla_ops._make_hopper_launches(
+        kwargs["q"], kwargs["kv_cache"], kwargs["indices"], kwargs["softmax_scale"], kv_format, kwargs["topk_length"],
+        kwargs["attn_sink"], kwargs.get("extra_kv_cache"), kwargs.get("extra_indices"),
+        kwargs.get("extra_topk_length"), out, lse, plan)
+    assert main.kernel.__name__ == kernel
+    assert main.grid[0] == 3 * 3 * plan.head_blocks and combine is not None
+
+
 @requires_interpreter
 @pytest.mark.parametrize("kv_format", fr.FORMATS)
 def test_load_kv_tile_interpreter(kv_format):
@@ -886,7 +938,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
     result = run_offline_compile("inspect_hopper.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if " split=" in line]
-    assert len(rows) == 9, result.stdout
+    assert len(rows) == 27, result.stdout  # (64-head kernel, few-heads kernel at 16 and 32) x 9 variants
     for row in rows:
         smem = int(re.search(r"smem=(\d+)", row).group(1))
         spill_stores = int(re.search(r"spill st/ld=(\d+)/", row).group(1))
@@ -906,6 +958,32 @@ def test_cuda_hopper_parity(spec, num_splits):
                                dev.get("extra_kv_cache")) == "hopper"
     out, lse = _outputs_like(kwargs, "cuda")
     mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper")
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+# The Hopper kernels on the shapes where each can run: the few-heads one (16 or 32 heads per CTA,
+# transposed products) and the 64-head one, forced every way, also with several head blocks.
+_HEAD_FORMS = {
+    "few16": dict(transposed=True, block_h=16),
+    "few32": dict(transposed=True, block_h=32),
+    "rows64": dict(transposed=False, block_h=64),
+}
+
+
+@requires_hopper
+@pytest.mark.parametrize("num_splits", [1, 3], ids=lambda s: f"splits={s}")
+@pytest.mark.parametrize("form", list(_HEAD_FORMS))
+@pytest.mark.parametrize("spec", [
+    Spec(kv_format=f, T=5, H=h, K=200, K2=k2, lengths=True, sink="finite", bad_indices=True, empty_row=True,
+         page_pad=32, extra_page_pad=16)
+    for f, k2 in (("fp8_656", 0), ("fp8_584", 48), ("auto", 0)) for h in (3, 20, 40)
+], ids=str)
+def test_cuda_hopper_head_forms(spec, form, num_splits):
+    kwargs = make_inputs(spec)
+    dev = _to_device(kwargs, "cuda")
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper",
+                                     config=_HEAD_FORMS[form])
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 
