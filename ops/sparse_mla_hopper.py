@@ -510,7 +510,7 @@ if HAS_GLUON:
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D)
+        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, _BH, D)
         _cta_barrier()  # every warp's part of Q is stored (and fenced) before any warp's first MMA
         # One softmax step per ring stage. (fp8_656's scale folding keeps one more [64, 64] float32 tile
         # live and spills a little; steps of 32 keys avoid that but measured 10-20% slower on an H200.)
@@ -632,11 +632,15 @@ if HAS_GLUON:
                 gl.store(lse_ptr + t * stride_lt + heads.to(gl.int64) * stride_lh, lse, mask=head_ok)
 
     @gluon.jit
-    def _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, D: gl.constexpr):
-        """Stage this CTA's 64 query rows (zeros past ``num_heads``) in shared memory, once. The loads
+    def _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB: gl.constexpr,
+                D: gl.constexpr):
+        """Stage this CTA's ``HB`` query rows (zeros past ``num_heads``) in shared memory, once. The loads
         go out in two batches of four (and the rope) 64-column chunks, so their latencies overlap."""
-        G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
-        heads = hb * _BH + gl.arange(0, _BH, layout=gl.SliceLayout(1, G16))
+        if HB == _BH:
+            G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
+        else:  # 16 or 32 rows (the few-heads kernel)
+            G16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        heads = hb * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, G16))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
         # int64 offsets: a permuted q's strides can make col * stride pass 2^31 (docs/operators.md)
         col_offs = cols.to(gl.int64)[None, :] * stride_qd
@@ -736,31 +740,6 @@ if HAS_GLUON:
     # ``O^T += V^T P^T`` ([512 dims, HB], four accumulators of 128 dims), so one warpgroup does the
     # whole block with a quarter (HB = 16) of the MMA work and no P hand-off. The producer and the ring
     # are those of the 64-head kernel.
-
-    @gluon.jit
-    def _load_q_t(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB: gl.constexpr,
-                  D: gl.constexpr):
-        """Stage this CTA's ``HB`` query rows (zeros past ``num_heads``) in shared memory, once."""
-        G16: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
-        heads = hb * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, G16))
-        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
-        col_offs = cols.to(gl.int64)[None, :] * stride_qd  # int64: see _load_q
-        chunk = 64 * gl.cast(stride_qd, gl.int64)
-        rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh + col_offs
-        ok = (heads < num_heads)[:, None]
-        for half in gl.static_range(2):
-            c0 = rows + (4 * half) * chunk
-            x0 = gl.load(c0, mask=ok, other=0.0)
-            x1 = gl.load(c0 + chunk, mask=ok, other=0.0)
-            x2 = gl.load(c0 + 2 * chunk, mask=ok, other=0.0)
-            x3 = gl.load(c0 + 3 * chunk, mask=ok, other=0.0)
-            if half == 1 and D == 576:
-                qr.store(gl.load(rows + 8 * chunk, mask=ok, other=0.0))
-            qn.slice(256 * half, 64, dim=1).store(x0)
-            qn.slice(256 * half + 64, 64, dim=1).store(x1)
-            qn.slice(256 * half + 128, 64, dim=1).store(x2)
-            qn.slice(256 * half + 192, 64, dim=1).store(x3)
-        fence_async_shared()
 
     @gluon.jit
     def _scale_vec(sc, HB: gl.constexpr, SC_SMEM: gl.constexpr):
@@ -903,7 +882,7 @@ if HAS_GLUON:
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        _load_q_t(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB, D)
+        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB, D)
         _cta_barrier()  # every warp's part of Q is stored (and fenced) before the first MMA
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
