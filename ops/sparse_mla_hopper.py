@@ -596,6 +596,26 @@ if HAS_GLUON:
                   1, HAS_SINK, SPLIT)
 
     @gluon.jit
+    def _ws_rows(pid, t, heads, num_heads, num_head_blocks, num_splits):
+        """The split workspace's rows ``[T, S, H]`` of this CTA's ``heads`` (int64)."""
+        split = (pid // num_head_blocks) % num_splits
+        return (t * num_splits + split) * num_heads + heads.to(gl.int64)
+
+    @gluon.jit
+    def _final_scale(m_o, l_o, heads, head_ok, sink_ptr, stride_sink, lse_scale, HAS_SINK: gl.constexpr):
+        """``(lse, factor)`` of the final softmax state: the finite-clamped log-sum-exp (``inf`` for a row
+        with no candidate) and the factor that normalises ``O`` (0 for such a row; the sink joins the
+        denominator)."""
+        has = l_o > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
+        lse = m_o * lse_scale + gl.log2(gl.where(has, l_o, 1.0)) * _LN2
+        lse = gl.where(has, gl.minimum(gl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
+        factor = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
+        if HAS_SINK:
+            sink = gl.load(sink_ptr + heads.to(gl.int64) * stride_sink, mask=head_ok, other=float("-inf"))
+            factor = gl.where(has, factor / (1.0 + gl.exp(sink - gl.where(has, lse, 0.0))), 0.0)
+        return lse, factor
+
+    @gluon.jit
     def _epilogue(o0, o1, m_o, l_o, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
                   lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, lse_scale,
                   WG: gl.constexpr, HAS_SINK: gl.constexpr, SPLIT: gl.constexpr):
@@ -607,8 +627,7 @@ if HAS_GLUON:
         head_ok = heads < num_heads
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, O_L))
         if SPLIT:
-            split = (pid // num_head_blocks) % num_splits
-            row = (t * num_splits + split) * num_heads + heads.to(gl.int64)  # [T, S, H] row of the workspace
+            row = _ws_rows(pid, t, heads, num_heads, num_head_blocks, num_splits)
             acc_rows = ws_ptr + row[:, None] * 512 + 256 * WG + cols[None, :]
             gl.store(acc_rows, o0, mask=head_ok[:, None])
             gl.store(acc_rows + 128, o1, mask=head_ok[:, None])
@@ -616,13 +635,7 @@ if HAS_GLUON:
                 gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
         else:
-            has = l_o > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
-            lse = m_o * lse_scale + gl.log2(gl.where(has, l_o, 1.0)) * _LN2
-            lse = gl.where(has, gl.minimum(gl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
-            factor = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
-            if HAS_SINK:
-                sink = gl.load(sink_ptr + heads.to(gl.int64) * stride_sink, mask=head_ok, other=float("-inf"))
-                factor = gl.where(has, factor / (1.0 + gl.exp(sink - gl.where(has, lse, 0.0))), 0.0)
+            lse, factor = _final_scale(m_o, l_o, heads, head_ok, sink_ptr, stride_sink, lse_scale, HAS_SINK)
             out_rows = (out_ptr + t * stride_ot + heads.to(gl.int64)[:, None] * stride_oh
                         + (256 * WG + cols[None, :]).to(gl.int64) * stride_od)
             gl.store(out_rows, (o0 * factor[:, None]).to(gl.bfloat16), mask=head_ok[:, None])
@@ -843,20 +856,13 @@ if HAS_GLUON:
         head_ok = heads < num_heads
         dims = 128 * g + gl.arange(0, 128, layout=gl.SliceLayout(1, O_L))
         if SPLIT:
-            split = (pid // num_head_blocks) % num_splits
-            row = (t * num_splits + split) * num_heads + heads.to(gl.int64)  # [T, S, H] row of the workspace
+            row = _ws_rows(pid, t, heads, num_heads, num_head_blocks, num_splits)
             gl.store(ws_ptr + row[None, :] * 512 + dims[:, None], o, mask=head_ok[None, :])
             if g == 0:
                 gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
         else:
-            has = l_o > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
-            lse = m_o * lse_scale + gl.log2(gl.where(has, l_o, 1.0)) * _LN2
-            lse = gl.where(has, gl.minimum(gl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
-            factor = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
-            if HAS_SINK:
-                sink = gl.load(sink_ptr + heads.to(gl.int64) * stride_sink, mask=head_ok, other=float("-inf"))
-                factor = gl.where(has, factor / (1.0 + gl.exp(sink - gl.where(has, lse, 0.0))), 0.0)
+            lse, factor = _final_scale(m_o, l_o, heads, head_ok, sink_ptr, stride_sink, lse_scale, HAS_SINK)
             ptrs = (out_ptr + t * stride_ot + heads.to(gl.int64)[None, :] * stride_oh
                     + dims.to(gl.int64)[:, None] * stride_od)
             gl.store(ptrs, (o * factor[None, :]).to(gl.bfloat16), mask=head_ok[None, :])
