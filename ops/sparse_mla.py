@@ -758,18 +758,17 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
             raise ValueError("path: the Hopper kernel does not serve these arguments (see "
                              "ops/sparse_mla_hopper.py::supported)")
         if use_hopper:
-            plan = hopper.plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device),
-                                      num_splits).with_overrides(config)
-            if plan.head_blocks != cdiv(q.shape[1], plan.block_h):  # a block_h override
-                plan = dataclasses.replace(plan, head_blocks=cdiv(q.shape[1], plan.block_h))
+            plan = hopper.plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device), num_splits)
+        else:
+            plan = plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device), num_splits,
+                               dim=q.shape[2], head_dim_v=head_dim_v, shared_bytes=shared_memory_per_block(q.device))
+        plan = plan.with_overrides(config)
+        if plan.head_blocks != cdiv(q.shape[1], plan.block_h):  # a block_h override
+            plan = dataclasses.replace(plan, head_blocks=cdiv(q.shape[1], plan.block_h))
+        if use_hopper:
             entry = _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink,
                                           extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
         else:
-            plan = plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device), num_splits,
-                               dim=q.shape[2], head_dim_v=head_dim_v,
-                               shared_bytes=shared_memory_per_block(q.device)).with_overrides(config)
-            if plan.head_blocks != cdiv(q.shape[1], plan.block_h):  # a block_h override
-                plan = dataclasses.replace(plan, head_blocks=cdiv(q.shape[1], plan.block_h))
             entry = _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length, attn_sink,
                                    extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)
         entry = _PLANS.put(key, entry)
