@@ -1,40 +1,42 @@
 """Hopper (sm_90) kernel of ``sparse_gqa_decode`` for float8 value caches, written in Gluon.
 
 The portable Triton kernel (``ops/sparse_gqa.py``) keeps one or two tiles in flight per program and
-converts both K and V to float16 before its tile products; on an H200 it reaches 57-66% of the copy
-bandwidth at T = 64-256 (``docs/sparse_gqa.md``, "Profile"). This kernel keeps several key blocks in
-flight and never converts K:
+converts both K and V to float16 before its tile products. This kernel keeps three blocks of keys in
+flight per CTA, never converts K, and runs two softmax consumers per CTA:
 
-- **One CTA per (row, KV head, block of 16 or 32 query heads of its group, split).** A block is 64
-  keys of one selected page (``cdiv(page_size, 64)`` blocks per page); a split is a range of blocks.
-- **Two partitions** (``gl.warp_specialize``):
+- **One CTA per (row, KV head, block of 16 query heads, split).** A block is 64 keys of one selected
+  page (``cdiv(page_size, 64)`` blocks per page); a split is a range of blocks (at most 64 pages).
+- **Three partitions** (``gl.warp_specialize``; 80 registers per thread and ~108 KB of shared memory,
+  so two CTAs fit on an SM):
 
-  - *producer* (4 warps): resolves the split's page list up front (physical page and visible key
-    count of each selected page), then per block copies the 64 K rows and the 64 V rows (128 bytes
-    each, ``cp.async`` with zero fill for keys it may not read) into a ring of ``NUM_STAGES`` raw
-    stages, ``NUM_STAGES - 1`` blocks ahead. When a block has landed it expands the block's V bytes to
-    float16 (integer instructions, below) into one of two float16 tiles, and hands the block over.
-  - *consumer* (4 warps): stages the query once as float8 pieces (below), then per block computes
-    ``S^T = K Q^T`` ``[64 keys, HB]`` with float8 ``wgmma`` straight from the raw K stage (released at
-    once), runs the online softmax down the key axis, stores ``P^T`` (float16) and accumulates
-    ``O^T += V^T P^T`` ``[128 dims, HB]`` from the float16 V tile.
+  - *producer* (4 warps): resolves the split's page list up front into a shared-memory table
+    (physical page and visible key count of each selected page), then per block copies the 64 K rows
+    and the 64 V rows (128 bytes each, ``cp.async`` with zero fill for keys the row may not see) into
+    a ring of ``NUM_STAGES`` raw stages, ``NUM_STAGES - 1`` blocks ahead, and hands each block over
+    when it has landed. It only copies.
+  - *two consumers* (4 warps each) take alternate blocks, each with its own online softmax: per block
+    ``S^T = K Q^T`` ``[64 keys, 16 heads]`` with float8 ``wgmma`` straight from the raw K stage, the
+    expansion of the block's V bytes to a float16 tile while that runs, the softmax down the key axis,
+    ``P^T`` to shared memory and ``O^T += V^T P^T`` ``[128 dims, 16 heads]``; then the stage goes back
+    to the producer. The second hands its state to the first, which merges and writes the result.
 
 - **Exact products.** ``wgmma`` with float8 operands needs both in float8. The query row is scaled by
   a power of two that brings its largest magnitude into ``[2**7, 2**8)`` and written as a sum of
-  float8 (e4m3) pieces, each the nearest e4m3 value of what the previous ones left: two pieces for a
-  bfloat16 query, three for float16. For a bfloat16 value the second piece is exact (what the first
-  leaves has at most 4 significant bits), so every query element whose magnitude is at least
-  ``2**-9`` of its row's largest is represented exactly and the others to within ``2**-18`` of it
-  (e4m3's subnormal grid); float16 likewise with three pieces. The products accumulate in float32.
-  V values are exact in float16: the expansion writes ``v * 2**-8`` (the e4m3 sign, exponent and
-  mantissa bits moved into a float16), and the epilogue multiplies by ``2**8``.
+  e4m3 pieces, each the nearest e4m3 value of what the previous ones left: two for a bfloat16 query
+  (what the first leaves of a bfloat16 value has at most 4 significant bits), three for float16.
+  Every element of at least ``2**-9`` (bfloat16) or ``2**-6`` (float16) of its row's largest is then
+  represented exactly, smaller ones to within ``2**-18`` of the largest (e4m3's subnormal grid). The
+  products accumulate in float32. V values are exact in float16: the expansion writes ``v * 2**-8``
+  (the e4m3 sign, exponent and mantissa bits moved into a float16), the epilogue multiplies by
+  ``2**8``; ``P`` is rounded to float16.
 - **Split-K** writes the partials of the portable kernel (``m``, ``l``, ``acc`` rows of
   ``ops/sparse_gqa.py``), which its combine kernel merges.
 
 Requirements (:func:`supported`; anything else takes the portable kernel): an sm_90 device, a float8
 value cache with ``Dh = 128`` whose base address and page, head and row strides are multiples of 16
 bytes, a bfloat16 or float16 query. Gluon does not run under the Triton interpreter: this kernel is
-tested on the GPU only (``tests/test_sparse_gqa.py``, the ``hopper`` tests).
+tested on the GPU only (``tests/test_sparse_gqa.py``, the ``hopper`` tests). ``docs/sparse_gqa.md``,
+"Decode on Hopper", has the measurements.
 """
 
 from __future__ import annotations
@@ -59,12 +61,11 @@ BLOCK_N = 64  # keys per block (one ring stage)
 BLOCK_H = 16  # query heads per CTA (larger groups take several head blocks)
 HEAD_DIM = 128
 NUM_STAGES = 4  # raw stages of the ring: NUM_STAGES - 1 blocks in flight
-# Consumer warpgroups per CTA (1 or 2), and for each: the kernel's registers per thread (two CTAs per SM)
-# and the worker partitions' (setmaxnreg; the first consumer, the default partition, gets the rest).
-_CONSUMERS = 2
-_MAXNREG = {1: 128, 2: 80}
-_WORKER_REGS = {1: (96,), 2: (88, 56)}
-# CTAs the plan aims at per SM (shared memory: ~100 KB per CTA)
+# Registers per thread: the kernel's (two CTAs of 12 warps per SM) and the worker partitions' (the second
+# consumer, the producer; setmaxnreg), the first consumer (the default partition) gets the rest.
+_MAXNREG = 80
+_WORKER_REGS = (88, 56)
+# CTAs the plan aims at per SM (registers and ~108 KB of shared memory per CTA allow two)
 _CTAS_PER_SM = 2
 # Fewest blocks a split keeps (a split of one block has nothing to overlap its copies with).
 _MIN_BLOCKS_PER_SPLIT = 2
@@ -240,11 +241,11 @@ if HAS_GLUON:
                   num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                   qk_scale, v_scale,
                   qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree, q_ready, merge_ready,
-                  CID: gl.constexpr, NC: gl.constexpr,
+                  CID: gl.constexpr,
                   CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
                   HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
-        """Consumer ``CID`` of ``NC``: blocks ``CID, CID + NC, ...`` of the split, each with its own online
-        softmax; consumer 0 stages Q, merges the others' states and writes the result."""
+        """Consumer ``CID`` (0 or 1): blocks ``CID, CID + 2, ...`` of the split, with its own online
+        softmax; consumer 0 stages Q, merges consumer 1's state into its own and writes the result."""
         pid = gl.program_id(0)
         CP: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         t, g, hb, split, blk_lo, blk_hi = _cta_range(pid, num_kv_heads, num_head_blocks, num_splits,
@@ -253,8 +254,7 @@ if HAS_GLUON:
         down = _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB, NQ, CID == 0)
         if CID == 0:
             _cta_barrier()  # every warp's part of Q is stored (and fenced) before the first MMA
-            if NC > 1:
-                mbarrier.arrive(q_ready)
+            mbarrier.arrive(q_ready)
         else:
             mbarrier.wait(q_ready, 0)
 
@@ -277,7 +277,7 @@ if HAS_GLUON:
         l_rows = gl.zeros([_BN, HB], gl.float32, layout=S_L)
         v_tile = vh.index(CID)
         pt = pt_smem.index(CID)
-        for i in range(CID, n, NC):
+        for i in range(CID, n, 2):
             s = i % NR
             mbarrier.wait(ready.index(s), (i // NR) & 1)
             fence_async_shared()  # the stage's copies (generic proxy) before the MMA reads them
@@ -314,29 +314,28 @@ if HAS_GLUON:
         m_o = gl.convert_layout(m_i, HEADS_O)
         l_o = gl.convert_layout(gl.sum(l_rows, axis=0), HEADS_O)
         heads = hb * HB + gl.arange(0, HB, layout=HEADS_O)
-        if NC > 1:
-            # consumer 1 hands (m, l, O^T) over through shared memory (O^T in its V tile, now unused)
-            o_smem = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
-                vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-            ml = ml_smem._reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
-                vec=1, per_phase=1, max_phase=1, order=[0]))
-            if CID == 1:
-                o_smem.store(o)
-                ml.slice(0, HB).store(m_o)
-                ml.slice(HB, HB).store(l_o)
-                _cta_barrier()
-                mbarrier.arrive(merge_ready)
-            else:
-                mbarrier.wait(merge_ready, 0)
-                m1 = ml.slice(0, HB).load(HEADS_O)
-                l1 = ml.slice(HB, HB).load(HEADS_O)
-                m_all = gl.maximum(m_o, m1)
-                m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
-                a0 = gl.exp2(m_o - m_safe)
-                a1 = gl.exp2(m1 - m_safe)
-                l_o = l_o * a0 + l1 * a1
-                o = o * a0[None, :] + o_smem.load(O_L) * a1[None, :]
-                m_o = m_all
+        # consumer 1 hands (m, l, O^T) over through shared memory (O^T in its V tile, now unused)
+        o_smem = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        ml = ml_smem._reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[0]))
+        if CID == 1:
+            o_smem.store(o)
+            ml.slice(0, HB).store(m_o)
+            ml.slice(HB, HB).store(l_o)
+            _cta_barrier()
+            mbarrier.arrive(merge_ready)
+        else:
+            mbarrier.wait(merge_ready, 0)
+            m1 = ml.slice(0, HB).load(HEADS_O)
+            l1 = ml.slice(HB, HB).load(HEADS_O)
+            m_all = gl.maximum(m_o, m1)
+            m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+            a0 = gl.exp2(m_o - m_safe)
+            a1 = gl.exp2(m1 - m_safe)
+            l_o = l_o * a0 + l1 * a1
+            o = o * a0[None, :] + o_smem.load(O_L) * a1[None, :]
+            m_o = m_all
         if CID == 0:
             # Epilogue: O^T [128 dims, HB]; the V tiles held v * 2**-8.
             head_ok = heads < group
@@ -376,8 +375,7 @@ if HAS_GLUON:
         blocks_per_split, num_splits, decode_query_len,
         qk_scale, v_scale,  # as the portable kernel's
         PAGE_SIZE: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
-        HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr, NC: gl.constexpr,
-        WORKER_REGS: gl.constexpr,
+        HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr, WORKER_REGS: gl.constexpr,
     ):
         CPB: gl.constexpr = (PAGE_SIZE + _BN - 1) // _BN
         KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
@@ -388,11 +386,11 @@ if HAS_GLUON:
         qs = gl.allocate_shared_memory(gl.float8e4nv, [NQ, HB, 128], KL)
         kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)
         vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], RAW)
-        vh = gl.allocate_shared_memory(gl.float16, [NC, _BN, 128], VL)  # one float16 V tile per consumer
+        vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
         valid_smem = gl.allocate_shared_memory(gl.int8, [NR, _BN], VL1)
         page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)  # the split's pages (producer)
         page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
-        pt_smem = gl.allocate_shared_memory(gl.float16, [NC, _BN, HB], PL)
+        pt_smem = gl.allocate_shared_memory(gl.float16, [2, _BN, HB], PL)
         ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)  # consumer 1's (m, l)
         ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
@@ -404,41 +402,25 @@ if HAS_GLUON:
         mbarrier.init(q_ready, count=1)  # consumer 0: Q staged
         mbarrier.init(merge_ready, count=1)  # consumer 1: its state handed over
         fence_async_shared()
-        if NC == 1:
-            gl.warp_specialize(
-                [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                              out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                              num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
-                              q_ready, merge_ready, 0, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
-                 (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
-                              topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                              bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                              num_pages, num_req, max_blocks, n_sel,
-                              num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                              kraw, vraw, valid_smem, page_phys, page_keys, ready, kfree,
-                              PAGE_SIZE, CPB, NR, BLOCK_SEL))],
-                [4], WORKER_REGS)
-        else:
-            gl.warp_specialize(
-                [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                              out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                              num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
-                              q_ready, merge_ready, 0, 2, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
-                 (_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                              out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                              num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
-                              q_ready, merge_ready, 1, 2, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
-                 (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
-                              topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                              bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                              num_pages, num_req, max_blocks, n_sel,
-                              num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                              kraw, vraw, valid_smem, page_phys, page_keys, ready, kfree,
-                              PAGE_SIZE, CPB, NR, BLOCK_SEL))],
-                [4, 4], WORKER_REGS)
+        gl.warp_specialize(
+            [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                          qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
+                          q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+             (_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                          qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
+                          q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+             (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
+                          topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                          bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                          num_pages, num_req, max_blocks, n_sel,
+                          num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                          kraw, vraw, valid_smem, page_phys, page_keys, ready, kfree,
+                          PAGE_SIZE, CPB, NR, BLOCK_SEL))],
+            [4, 4], WORKER_REGS)
 
 
 # =====================================================================================================
@@ -511,13 +493,12 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
         per_split, plan.num_splits, decode_query_len,
         qk_scale, v_scale,
     )
-    nc = _CONSUMERS
     meta = dict(PAGE_SIZE=page_size, HB=plan.block_h, NQ=3 if q.dtype == torch.float16 else 2, NR=plan.num_stages,
                 BLOCK_SEL=max(next_pow2(cdiv(per_split, cpb) + 1), 2), HAS_K_SCALE=has_k_scale,
-                HAS_V_SCALE=has_v_scale, SPLIT=plan.num_splits > 1, NC=nc, WORKER_REGS=_WORKER_REGS[nc])
+                HAS_V_SCALE=has_v_scale, SPLIT=plan.num_splits > 1, WORKER_REGS=_WORKER_REGS)
     grid = (num_tokens * num_kv_heads * plan.head_blocks * plan.num_splits,)
     return KernelLaunch(_sparse_gqa_decode_hopper_kernel, grid, args, meta, num_warps=4, device=q.device,
-                        maxnreg=_MAXNREG[nc])
+                        maxnreg=_MAXNREG)
 
 
 __all__ = ["BLOCK_N", "HAS_GLUON", "NUM_STAGES", "make_launch", "plan_launch", "supported"]

@@ -26,7 +26,8 @@ from expecttest import assert_expected_inline
 
 from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
-from common import compile_counter, poison, records_split_launches, requires_cuda, requires_interpreter
+from common import (compile_counter, poison, records_split_launches, requires_cuda, requires_interpreter,
+                    run_offline_compile)
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 NVFP4 = "nvfp4"  # the uint8 NVFP4 cache format
@@ -1434,6 +1435,55 @@ def _hopper_device() -> bool:
 def requires_hopper(test):
     """A GPU test of the Hopper kernel: skipped elsewhere, selected by ``-m cuda`` like every GPU test."""
     return pytest.mark.cuda(pytest.mark.skipif(not _hopper_device(), reason="needs an sm_90 GPU (the Hopper kernel)")(test))
+
+
+def test_hopper_kernel_builds_for_sm90_within_limits():
+    """Without a GPU: the Hopper sparse-GQA kernel (split x query dtype) compiles for sm_90a with the ptxas
+    shipped in the triton wheel (``scripts/inspect_hopper.py --gqa``), at 80 registers per thread and
+    shared memory for two CTAs per SM, with float8 and float16 tensor-core products and (nearly) no
+    spills."""
+    import re
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from torch_sparse_mla.ops import sparse_gqa_hopper
+
+    if not sparse_gqa_hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    result = run_offline_compile("inspect_hopper.py", "--gqa")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if " split=" in line]
+    assert len(rows) == 4, result.stdout
+    for row in rows:
+        smem = int(re.search(r"smem=(\d+)", row).group(1))
+        spill_stores = int(re.search(r"spill st/ld=(\d+)/", row).group(1))
+        counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS)=(\d+)", row)}
+        assert re.search(r"maxnreg=\['80'\]", row), row
+        assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
+        assert spill_stores <= 64, row
+        assert counts["HGMMA"] > 0 and counts["QGMMA"] > 0 and counts["SYNCS"] > 0, row
+
+
+@pytest.mark.parametrize("tokens,n_sel,splits", [(64, 16, 1), (256, 16, 1), (16, 16, 4), (1, 16, 16), (4, 200, 16),
+                                                 (300, 200, 4)])
+def test_hopper_split_plan(tokens, n_sel, splits):
+    """About two CTAs per SM (132 SMs, 4 KV heads of 16 query heads, pages of 128 = 2 blocks), at least two
+    blocks per split, at most 64 pages per split."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper as hopper
+
+    plan = hopper.plan_launch(tokens, 4, 16, n_sel, 128, 132)
+    assert (plan.block_h, plan.head_blocks, plan.num_splits) == (16, 1, splits)
+    assert hopper.blocks_per_split(n_sel, 128, plan) <= 128
+    assert hopper.plan_launch(tokens, 4, 48, n_sel, 128, 132).head_blocks == 3
+    assert hopper.plan_launch(tokens, 4, 16, n_sel, 128, 132, num_splits=5).num_splits == 5
+
+
+def test_hopper_path_off_cuda():
+    """Off an sm_90 GPU (here: CPU tensors) the portable kernel serves every call; asking for the Hopper
+    kernel is an error."""
+    args, _ = make_inputs(Cfg(hq=16, hkv=1, dh=128, page_size=16, q_dtype=BF16, kv_dtype=FP8, offset=16), seed=1)
+    assert gqa_ops.kernel_path(args["q"], args["kv_cache"]) == "portable"
+    with pytest.raises(ValueError, match="Hopper kernel does not serve"):
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=_out_buffer(args), path="hopper")
 
 
 @requires_hopper
