@@ -233,13 +233,15 @@ class KernelLaunch:
     __slots__ = ("kernel", "grid", "meta", "options", "template", "tensor_pos", "dtypes", "device", "compiled")
 
     def __init__(self, kernel, grid, args: tuple, meta: dict, *, num_warps: int, num_stages: int | None = None,
-                 device: torch.device, reinterpret: bool = False):
+                 device: torch.device, reinterpret: bool = False, maxnreg: int | None = None):
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.meta = meta
         self.options = {"num_warps": num_warps}
         if num_stages is not None:
             self.options["num_stages"] = num_stages
+        if maxnreg is not None:  # registers per thread, so that several CTAs fit on an SM
+            self.options["maxnreg"] = maxnreg
         self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         self.dtypes = tuple(args[i].dtype for i in self.tensor_pos) if reinterpret else None
         template = [None if isinstance(a, torch.Tensor) else a for a in args]

@@ -52,6 +52,7 @@ from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multipro
                       scratch)
 from ._rounding import bf16_bits, e4m3_bits, f16_bits, load_as_f32
 from ._triton import tl, triton
+from . import sparse_gqa_hopper as hopper
 
 E4M3_MAX = 448.0
 # Canonical NaN patterns written for NaN inputs (sign dropped).
@@ -850,8 +851,15 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
     grid = (num_tokens * num_kv_heads * plan.head_blocks, plan.num_splits)
     main = KernelLaunch(_sparse_gqa_decode_kernel, grid, args, meta, num_warps=plan.num_warps,
                         num_stages=plan.num_stages, device=q.device)
-    if not split:
-        return main, None
+    return main, _make_combine(q, out, plan, v_scale, has_v_scale) if split else None
+
+
+def _make_combine(q, out, plan: LaunchPlan, v_scale, has_v_scale) -> KernelLaunch:
+    """The combine launch of a split plan (both decode kernels write its workspace). Tensor arguments:
+    workspace, v scale, out."""
+    num_tokens, num_q_heads, head_dim = q.shape
+    rows = num_tokens * num_q_heads * plan.num_splits
+    block_d = max(next_pow2(head_dim), 16)
     block_sm = next_pow2(plan.num_splits)
     block_s = min(block_sm, _COMBINE_ROWS)
     block_hc = min(max(_COMBINE_ROWS // block_s, 1), next_pow2(num_q_heads))
@@ -861,15 +869,23 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
         dict(HEAD_DIM=head_dim, BLOCK_HC=block_hc, BLOCK_S=block_s, BLOCK_SM=block_sm, BLOCK_D=block_d,
              HAS_V_SCALE=has_v_scale),
         num_warps=4, device=q.device)
-    return main, combine
+    return combine
+
+
+def kernel_path(q: torch.Tensor, kv_cache: torch.Tensor) -> str:
+    """``"hopper"`` or ``"portable"``: the decode kernel :func:`sparse_gqa_decode_triton` runs for these
+    arguments (shapes, strides, dtypes and the cache's 16-byte alignment)."""
+    return "hopper" if hopper.supported(q, kv_cache) else "portable"
 
 
 def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len,
                              softmax_scale, q_scale=1.0, k_scale=1.0, v_scale=1.0, k_scale_tensor=None,
-                             v_scale_tensor=None, *, out, num_splits=None, config=None):
+                             v_scale_tensor=None, *, out, num_splits=None, config=None, path=None):
     """Launch the decode kernel (and the combine kernel when the page lists are split). Arguments as
     :func:`sparse_gqa_decode_torch`; ``num_splits`` and ``config`` (``LaunchPlan`` fields) override
-    the heuristic (tests use them to cover every path with small grids).
+    the heuristic (tests use them to cover every path with small grids). ``path`` picks the kernel:
+    ``"hopper"`` (``ops/sparse_gqa_hopper.py``, the default wherever :func:`sparse_gqa_hopper.supported`
+    holds: float8 value caches on sm_90) or ``"portable"`` (the Triton kernel above, every other case).
     """
     if out.numel() == 0:
         return
@@ -879,14 +895,27 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
     key = (q.shape, q.stride(), q.dtype, kv_cache.shape, kv_cache.stride(), kv_cache.dtype, topk_pages.shape,
            topk_pages.stride(), block_table.shape, block_table.stride(), kv_segment_lens.stride(0),
            qo_offset.stride(0), out.stride(), decode_query_len, qk_scale, v_scale, has_k, has_v, q.device,
-           num_splits, None if config is None else tuple(sorted(config.items())))
+           num_splits, None if config is None else tuple(sorted(config.items())), path,
+           kv_cache.data_ptr() % 16 == 0)
     entry = _PLANS.get(key)
     if entry is None:
-        plan = launch_config(q, kv_cache, topk_pages.shape[2], num_splits).with_overrides(config)
+        use_hopper = path != "portable" and hopper.supported(q, kv_cache)
+        if path == "hopper" and not use_hopper:
+            raise ValueError("path: the Hopper kernel does not serve these arguments (see "
+                             "ops/sparse_gqa_hopper.py::supported)")
+        if use_hopper:
+            num_kv_heads, page_size = kv_cache.shape[1], kv_cache.shape[2]
+            plan = hopper.plan_launch(q.shape[0], num_kv_heads, q.shape[1] // num_kv_heads, topk_pages.shape[2],
+                                      page_size, multiprocessor_count(q.device), num_splits).with_overrides(config)
+            main = hopper.make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
+                                      decode_query_len, qk_scale, v_scale, has_k, has_v, out, plan)
+            launches = (main, _make_combine(q, out, plan, v_scale, has_v) if plan.num_splits > 1 else None)
+        else:
+            plan = launch_config(q, kv_cache, topk_pages.shape[2], num_splits).with_overrides(config)
+            launches = _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
+                                      decode_query_len, qk_scale, v_scale, has_k, has_v, out, plan)
         ws_numel = q.shape[0] * q.shape[1] * plan.num_splits * (2 + q.shape[2]) if plan.num_splits > 1 else 0
-        entry = _PLANS.put(key, (ws_numel, *_make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens,
-                                                            qo_offset, decode_query_len, qk_scale, v_scale, has_k,
-                                                            has_v, out, plan)))
+        entry = _PLANS.put(key, (ws_numel, *launches))
     ws_numel, main, combine = entry
     ks = k_scale_tensor if has_k else out
     vs = v_scale_tensor if has_v else out
@@ -1178,4 +1207,4 @@ def gqa_kv_cache_insert_triton(k, v, slot_mapping, kv_cache, k_scale=1.0, v_scal
 
 __all__ = ["gqa_kv_cache_insert_torch", "gqa_kv_cache_insert_triton", "key_groups", "launch_config", "nvfp4_encode_torch",
            "pages_per_split", "scale_product", "sparse_gqa_decode_dense", "sparse_gqa_decode_torch",
-           "sparse_gqa_decode_triton"]
+           "sparse_gqa_decode_triton", "kernel_path"]

@@ -1,6 +1,6 @@
-"""Compile the Hopper sparse-MLA kernel for sm_90a without a GPU and report its resources.
+"""Compile the Hopper kernels (sparse MLA, sparse GQA) for sm_90a without a GPU and report their resources.
 
-    python scripts/inspect_hopper.py [--sass DIR]
+    python scripts/inspect_hopper.py [--sass DIR] [--gqa]
 
 For each variant (cache format x split x extra list) prints registers (the kernel's ``.maxnreg`` and
 each partition's ``setmaxnreg``), spill bytes, shared memory and the counts of the instructions that
@@ -21,6 +21,7 @@ import tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 
+from torch_sparse_mla.ops import sparse_gqa_hopper as gqa_hopper
 from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -67,6 +68,29 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
 
 
+def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages: int = gqa_hopper.NUM_STAGES):
+    """The sparse-GQA kernel (``ops/sparse_gqa_hopper.py``) as the launcher specialises it: ``q_dtype``
+    ``bf16`` (two query pieces) or ``fp16`` (three), device scales given, a contiguous query and output."""
+    from triton.experimental import gluon
+
+    fn = gqa_hopper._sparse_gqa_decode_hopper_kernel
+    constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NQ=2 if q_dtype == "bf16" else 3, NR=stages,
+                      BLOCK_SEL=32, HAS_K_SCALE=True, HAS_V_SCALE=True, SPLIT=split,
+                      WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1, stride_od=1)
+    pointer_types = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*fp8e4nv", "topk_ptr": "*i32", "bt_ptr": "*i32",
+                     "kv_lens_ptr": "*i32", "qo_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
+                     "out_ptr": f"*{q_dtype}", "ws_ptr": "*fp32"}
+    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in ("qk_scale", "v_scale")
+                                                                          else "i32") for n in fn.arg_names}
+    # as supported() requires: a 16-byte aligned cache whose page, head and row strides are multiples of 16
+    div16 = {"stride_cp", "stride_ch", "stride_co", "stride_qt", "stride_qh", "stride_ot", "stride_oh"}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
+             if signature[n].startswith("*") or n in div16}
+    src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "maxnreg": gqa_hopper._MAXNREG})
+
+
 def report(ck, label: str, sass_dir: str | None) -> str:
     ptx = ck.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
@@ -81,7 +105,8 @@ def report(ck, label: str, sass_dir: str | None) -> str:
             f.write(ck.asm["cubin"])
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", c], capture_output=True, text=True).stdout
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
-    counts = {w: len(re.findall(r"\b" + w + r"[\.\s]", sass)) for w in ("HGMMA", "SYNCS", "LDL", "STL", "F2F", "BAR")}
+    counts = {w: len(re.findall(r"\b" + w + r"[\.\s]", sass))
+              for w in ("HGMMA", "QGMMA", "SYNCS", "LDL", "STL", "F2F", "BAR")}
     ldg128 = len(re.findall(r"LDG\.E\.128", sass))
     setmax = sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     maxnreg = re.findall(r"maxnreg (\d+)", ptx)
@@ -101,10 +126,18 @@ def main(argv=None) -> int:
     parser.add_argument("--only", help="comma-separated formats (auto, fp8_656, fp8_584)")
     parser.add_argument("--heads", default="64,16,32",
                         help="comma-separated heads per CTA: 64 (the 64-head kernel), 16 and 32 (the few-heads kernel)")
+    parser.add_argument("--gqa", action="store_true", help="the sparse-GQA kernel instead (split x query dtype)")
     args = parser.parse_args(argv)
     if not hopper.HAS_GLUON:
         print("this triton has no usable Gluon for Hopper", file=sys.stderr)
         return 1
+    if args.gqa:
+        print(f"triton {triton.__version__}")
+        for split in (False, True):
+            for q_dtype in ("bf16", "fp16"):
+                label = f"gqa q={q_dtype} split={int(split)}"
+                print(report(compile_gqa_variant(split, q_dtype), label, args.sass), flush=True)
+        return 0
     formats = args.only.split(",") if args.only else ["fp8_656", "fp8_584", "auto"]
     print(f"triton {triton.__version__}")
     for heads in (int(h) for h in args.heads.split(",")):

@@ -30,6 +30,9 @@ DECODE_VARIANTS = {
     "s4": dict(num_stages=4),
     "bn128_s2": dict(block_n=128, num_stages=2),
 }
+# The Hopper kernel (float8 caches on sm_90, ops/sparse_gqa_hopper.py): ring depths and split counts.
+HOPPER_VARIANTS = {"hopper": {}, "hopper_s2": dict(num_stages=2), "hopper_s3": dict(num_stages=3)}
+HOPPER_SPLITS = (1, 2, 4, 8, 16)
 SPLIT_VARIANTS = (1, 2, 3, 4, 6, 8, 16)
 FORMS = {"": {}, "_kg": dict(transposed=False), "_tr": dict(transposed=True)}
 INSERT_ROWS = (8, 16, 32, 64)
@@ -43,13 +46,16 @@ def sweep_decode(kv_format):
             args, _, _ = gqa._decode_inputs(kv_format, num_rows, decode_query_len,
                                             seed=num_rows * 10 + decode_query_len, device="cuda")
             base = None
-            variants = [(name, cfg, None) for name, cfg in DECODE_VARIANTS.items()]
-            variants += [(f"splits{s}{form}", cfg, s) for s in SPLIT_VARIANTS for form, cfg in FORMS.items()]
-            for name, cfg, splits in variants:
+            variants = [(name, cfg, None, "portable") for name, cfg in DECODE_VARIANTS.items()]
+            variants += [(f"splits{s}{form}", cfg, s, "portable") for s in SPLIT_VARIANTS for form, cfg in FORMS.items()]
+            if ops.kernel_path(args[0], args[1]) == "hopper":
+                variants += [(name, cfg, None, "hopper") for name, cfg in HOPPER_VARIANTS.items()]
+                variants += [(f"hopper_splits{s}", {}, s, "hopper") for s in HOPPER_SPLITS]
+            for name, cfg, splits, path in variants:
                 out = torch.empty_like(args[0])
 
-                def run(out=out, cfg=cfg, splits=splits):
-                    ops.sparse_gqa_decode_triton(*args, out=out, config=cfg, num_splits=splits)
+                def run(out=out, cfg=cfg, splits=splits, path=path):
+                    ops.sparse_gqa_decode_triton(*args, out=out, config=cfg, num_splits=splits, path=path)
 
                 try:
                     us = graph_us(run)

@@ -26,7 +26,8 @@ from expecttest import assert_expected_inline
 
 from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
-from common import compile_counter, poison, records_split_launches, requires_cuda, requires_interpreter
+from common import (compile_counter, poison, records_split_launches, requires_cuda, requires_interpreter,
+                    run_offline_compile)
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 NVFP4 = "nvfp4"  # the uint8 NVFP4 cache format
@@ -221,25 +222,26 @@ class Cfg:
     n_sel: int = 4
     extra_rows: int = 1  # rows past the last request (t // decode_query_len >= B): must give zeros
     scale_tensors: bool = False  # pass k_scale_tensor / v_scale_tensor
+    offset: int = 3  # value caches: storage offset of the view (elements); 3 misaligns it, 16 keeps a float8 cache 16-byte aligned
 
     @property
     def id(self) -> str:
         layout = "" if self.kv_dtype == NVFP4 else f"-{self.layout}"
         return (f"q{DTYPE_NAMES[self.q_dtype]}-kv{DTYPE_NAMES[self.kv_dtype]}-h{self.hq}/{self.hkv}-d{self.dh}"
                 f"-page{self.page_size}-qlen{self.dql}{layout}" + (f"-pad{self.page_pad}" if self.page_pad else "")
-                + ("-scale_tensors" if self.scale_tensors else ""))
+                + ("-scale_tensors" if self.scale_tensors else "") + ("" if self.offset == 3 else f"-off{self.offset}"))
 
 
 def _value_cache(cfg: Cfg, num_pages: int, gen: torch.Generator) -> torch.Tensor:
     """float32 values in the cache layout of ``cfg`` (a view with the padded page stride)."""
     hkv, ps, width = cfg.hkv, cfg.page_size, 2 * cfg.dh
     page_elems = hkv * ps * width
-    storage = torch.randn(num_pages * (page_elems + cfg.page_pad) + 3, generator=gen)
+    storage = torch.randn(num_pages * (page_elems + cfg.page_pad) + cfg.offset, generator=gen)
     if cfg.layout == "HND":
         shape, strides = (num_pages, hkv, ps, width), (page_elems + cfg.page_pad, ps * width, width, 1)
     else:
         shape, strides = (num_pages, hkv, ps, width), (page_elems + cfg.page_pad, width, hkv * width, 1)
-    return torch.as_strided(storage, shape, strides, 3)
+    return torch.as_strided(storage, shape, strides, cfg.offset)
 
 
 def _nvfp4_cache(cfg: Cfg, num_pages: int, gen: torch.Generator) -> torch.Tensor:
@@ -823,7 +825,7 @@ def assert_tile_form_matches(args, transposed: bool, split_counts):
     for num_splits in split_counts:
         out = _out_buffer(args)
         gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits,
-                                         config=dict(transposed=transposed))
+                                         config=dict(transposed=transposed), path="portable")
         assert_matches_reference(out, args)
 
 
@@ -1280,12 +1282,13 @@ def test_cuda_tile_sizes(kv_dtype, block_n):
     args, _ = make_inputs(cfg, seed=15, device="cuda")
     for num_warps in (4, 8):
         out = _out_buffer(args)
-        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, config=dict(block_n=block_n, num_warps=num_warps))
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, config=dict(block_n=block_n, num_warps=num_warps),
+                                         path="portable")
         assert_matches_reference(out, args)
 
 
 @requires_cuda
-@pytest.mark.parametrize("kv_dtype", [FP16, NVFP4], ids=lambda d: DTYPE_NAMES[d])
+@pytest.mark.parametrize("kv_dtype", [FP16, FP8, NVFP4], ids=lambda d: DTYPE_NAMES[d])
 def test_cuda_score_overflow_is_not_nan(kv_dtype):
     args, expected = _overflow_inputs(kv_dtype)
     args = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in args.items()}
@@ -1302,14 +1305,16 @@ def test_cuda_score_overflow_is_not_nan(kv_dtype):
 def test_cuda_large_batch_matches_torch_kernel(dql, kv_dtype):
     """The benchmark's shapes against the PyTorch kernel, which the CPU tests tie to the reference."""
     cfg = Cfg(hq=64, hkv=4, dh=128, page_size=128, dql=dql, q_dtype=BF16, kv_dtype=kv_dtype, batch=64 // dql,
-              n_sel=16, extra_rows=3)
+              n_sel=16, extra_rows=3, offset=16)
     args, _ = make_inputs(cfg, seed=11, device="cuda")
-    out = _public(args)
     expected = _out_buffer(args)
     gqa_ops.sparse_gqa_decode_torch(*args.values(), out=expected)
-    assert not torch.isnan(out).any()
     scale = float(expected.float().abs().max())
-    torch.testing.assert_close(out.float() / scale, expected.float() / scale, atol=2e-2, rtol=2e-2)
+    portable = _out_buffer(args)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=portable, path="portable")
+    for out in (_public(args), portable):  # the default (the Hopper kernel for float8 on sm_90) and the portable one
+        assert not torch.isnan(out).any()
+        torch.testing.assert_close(out.float() / scale, expected.float() / scale, atol=2e-2, rtol=2e-2)
 
 
 @requires_cuda
@@ -1404,6 +1409,163 @@ def test_cuda_compile_reduce_overhead(kv_dtype):
                                                   kv_segment_lens=kv_lens, qo_offset=qo, decode_query_len=1,
                                                   softmax_scale=0.1, k_scale_tensor=kst, v_scale_tensor=vst))
     assert counters["inductor"]["cudagraph_skips"] == 0
+
+
+# -- the Hopper kernel (ops/sparse_gqa_hopper.py): float8 value caches on sm_90, not under the interpreter --
+
+HOPPER_CASES = [
+    # MiniMax-M3: 16 query heads per KV head, pages of 128
+    Cfg(hq=64, hkv=4, dh=128, page_size=128, dql=1, q_dtype=BF16, kv_dtype=FP8, batch=4, n_sel=6, offset=16),
+    Cfg(hq=64, hkv=4, dh=128, page_size=128, dql=4, q_dtype=BF16, kv_dtype=FP8, batch=3, n_sel=5, layout="NHD",
+        scale_tensors=True, offset=0),
+    # a padded group of 8, pages smaller than a block, padded page stride
+    Cfg(hq=8, hkv=1, dh=128, page_size=16, dql=2, q_dtype=FP16, kv_dtype=FP8, batch=3, page_pad=32, offset=16),
+    # 24 heads per KV head: one block of 32; pages of 96 (a partial second block)
+    Cfg(hq=24, hkv=1, dh=128, page_size=96, dql=1, q_dtype=BF16, kv_dtype=FP8, batch=3, offset=16),
+    # 48 heads per KV head: two blocks of 32; pages of 200 (4 blocks, the last of 8 keys)
+    Cfg(hq=96, hkv=2, dh=128, page_size=200, dql=3, q_dtype=FP16, kv_dtype=FP8, batch=2, n_sel=3, layout="NHD",
+        page_pad=16, offset=16, scale_tensors=True),
+]
+
+
+def _hopper_device() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+
+
+def requires_hopper(test):
+    """A GPU test of the Hopper kernel: skipped elsewhere, selected by ``-m cuda`` like every GPU test."""
+    return pytest.mark.cuda(pytest.mark.skipif(not _hopper_device(), reason="needs an sm_90 GPU (the Hopper kernel)")(test))
+
+
+def test_hopper_kernel_builds_for_sm90_within_limits():
+    """Without a GPU: the Hopper sparse-GQA kernel (split x query dtype) compiles for sm_90a with the ptxas
+    shipped in the triton wheel (``scripts/inspect_hopper.py --gqa``), at 80 registers per thread and
+    shared memory for two CTAs per SM, with float8 and float16 tensor-core products and (nearly) no
+    spills."""
+    import re
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from torch_sparse_mla.ops import sparse_gqa_hopper
+
+    if not sparse_gqa_hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    result = run_offline_compile("inspect_hopper.py", "--gqa")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if " split=" in line]
+    assert len(rows) == 4, result.stdout
+    for row in rows:
+        smem = int(re.search(r"smem=(\d+)", row).group(1))
+        spill_stores = int(re.search(r"spill st/ld=(\d+)/", row).group(1))
+        counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS)=(\d+)", row)}
+        assert re.search(r"maxnreg=\['80'\]", row), row
+        assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
+        assert spill_stores <= 64, row
+        assert counts["HGMMA"] > 0 and counts["QGMMA"] > 0 and counts["SYNCS"] > 0, row
+
+
+@pytest.mark.parametrize("tokens,n_sel,splits", [(64, 16, 1), (256, 16, 1), (16, 16, 4), (1, 16, 16), (4, 200, 16),
+                                                 (300, 200, 4)])
+def test_hopper_split_plan(tokens, n_sel, splits):
+    """About two CTAs per SM (132 SMs, 4 KV heads of 16 query heads, pages of 128 = 2 blocks), at least two
+    blocks per split, at most 64 pages per split."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper as hopper
+
+    plan = hopper.plan_launch(tokens, 4, 16, n_sel, 128, 132)
+    assert (plan.block_h, plan.head_blocks, plan.num_splits) == (16, 1, splits)
+    assert hopper.blocks_per_split(n_sel, 128, plan) <= 128
+    assert hopper.plan_launch(tokens, 4, 48, n_sel, 128, 132).head_blocks == 3
+    assert hopper.plan_launch(tokens, 4, 16, n_sel, 128, 132, num_splits=5).num_splits == 5
+
+
+def test_hopper_path_off_cuda():
+    """Off an sm_90 GPU (here: CPU tensors) the portable kernel serves every call; asking for the Hopper
+    kernel is an error."""
+    args, _ = make_inputs(Cfg(hq=16, hkv=1, dh=128, page_size=16, q_dtype=BF16, kv_dtype=FP8, offset=16), seed=1)
+    assert gqa_ops.kernel_path(args["q"], args["kv_cache"]) == "portable"
+    with pytest.raises(ValueError, match="Hopper kernel does not serve"):
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=_out_buffer(args), path="hopper")
+
+
+@requires_hopper
+@pytest.mark.parametrize("num_splits", [None, 1, 3, 40], ids=lambda s: f"splits={s or 'auto'}")
+@pytest.mark.parametrize("cfg", HOPPER_CASES, ids=lambda c: c.id)
+def test_cuda_hopper_matches_reference(cfg, num_splits):
+    args, _ = make_inputs(cfg, seed=21, device="cuda")
+    assert gqa_ops.kernel_path(args["q"], args["kv_cache"]) == "hopper"
+    out = _out_buffer(args, transpose=num_splits == 3)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="hopper")
+    assert_matches_reference(out, args)
+
+
+@requires_hopper
+@pytest.mark.parametrize("stages", [2, 3, 4])
+def test_cuda_hopper_ring_depths(stages):
+    """Every ring depth (raw stages) the plan may be given, on lists much longer than the ring."""
+    cfg = Cfg(hq=32, hkv=2, dh=128, page_size=64, dql=1, q_dtype=BF16, kv_dtype=FP8, batch=3, n_sel=12, offset=16)
+    args, _ = make_inputs(cfg, seed=22, device="cuda")
+    for num_splits in (1, 2):
+        out = _out_buffer(args)
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="hopper",
+                                         config=dict(num_stages=stages))
+        assert_matches_reference(out, args)
+
+
+@requires_hopper
+def test_cuda_hopper_is_the_default_on_sm90():
+    """Float8 value caches with Dh = 128 and 16-byte aligned rows take the Hopper kernel; anything else the
+    portable one, and asking for the Hopper kernel there is an error."""
+    cfg = HOPPER_CASES[0]
+    args, _ = make_inputs(cfg, seed=23, device="cuda")
+    assert gqa_ops.kernel_path(args["q"], args["kv_cache"]) == "hopper"
+    others = [
+        make_inputs(dataclasses.replace(cfg, offset=3), seed=23, device="cuda")[0],  # misaligned base
+        make_inputs(dataclasses.replace(cfg, page_pad=8), seed=23, device="cuda")[0],  # page stride % 16 != 0
+        make_inputs(dataclasses.replace(cfg, q_dtype=FP8), seed=23, device="cuda")[0],  # float8 query
+        make_inputs(dataclasses.replace(cfg, kv_dtype=BF16), seed=23, device="cuda")[0],  # not a float8 cache
+    ]
+    for other in others:
+        assert gqa_ops.kernel_path(other["q"], other["kv_cache"]) == "portable"
+        with pytest.raises(ValueError, match="Hopper kernel does not serve"):
+            gqa_ops.sparse_gqa_decode_triton(*other.values(), out=_out_buffer(other), path="hopper")
+        assert_matches_reference(_public(other), other)  # the portable kernel serves them
+    out = _public(args)
+    portable = _out_buffer(args)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=portable, path="portable")
+    assert_matches_reference(out, args)
+    torch.testing.assert_close(out.float(), portable.float(), atol=2e-2, rtol=2e-2)
+
+
+@requires_hopper
+def test_cuda_hopper_query_pieces_are_exact():
+    """The query enters the float8 products as e4m3 pieces of the row scaled by a power of two: for
+    bfloat16 (two pieces) and float16 (three) queries whose elements span the row's largest magnitude
+    down to 2**-9 of it, the scores are the query's own values (keys with one nonzero dim, 1.0, select
+    a query element each; two pieces of a float16 query would be off by up to 2**-8 relative)."""
+    dh, keys = 128, 128
+    for q_dtype in (BF16, FP16):
+        gen = torch.Generator().manual_seed(3)
+        q = torch.zeros(1, 16, dh)
+        mant = torch.randint(0, 1 << 7, (16, dh), generator=gen) / 128 + 1.0  # 8 significant bits (bf16)
+        if q_dtype == FP16:
+            mant = torch.randint(0, 1 << 10, (16, dh), generator=gen) / 1024 + 1.0  # 11 bits (fp16)
+        expo = torch.randint(-8, 1, (16, dh), generator=gen).float()  # down to 2**-9 of the row's largest
+        sign = torch.where(torch.rand(16, dh, generator=gen) < 0.5, -1.0, 1.0)
+        q[0] = sign * mant * torch.exp2(expo) * 3.0
+        q = q.to(q_dtype)
+        cache = torch.zeros(1, 1, keys, 2 * dh)
+        cache[0, 0, :, :dh] = torch.eye(keys, dh)  # key o = e_o: score o = q[o]
+        cache[0, 0, :, dh:] = torch.eye(keys, dh)  # value o = e_o: the output is the softmax itself
+        cache = cache.to(FP8)
+        args = dict(q=q.cuda(), kv_cache=cache.cuda(), topk_pages=torch.zeros(1, 1, 1, dtype=torch.int32).cuda(),
+                    block_table=torch.zeros(1, 1, dtype=torch.int32).cuda(),
+                    kv_segment_lens=torch.tensor([keys], dtype=torch.int32).cuda(),
+                    qo_offset=torch.tensor([keys - 1], dtype=torch.int32).cuda(), decode_query_len=1,
+                    softmax_scale=1.0)
+        assert gqa_ops.kernel_path(args["q"], args["kv_cache"]) == "hopper"
+        out = torch.empty(1, 16, dh, dtype=FP16 if q_dtype == FP16 else BF16, device="cuda")
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, path="hopper")
+        want = torch.softmax(q[0].double(), dim=-1)
+        torch.testing.assert_close(out[0].cpu().double(), want, atol=2e-3, rtol=1e-2)
 
 
 @requires_cuda

@@ -1,0 +1,504 @@
+"""Hopper (sm_90) kernel of ``sparse_gqa_decode`` for float8 value caches, written in Gluon.
+
+The portable Triton kernel (``ops/sparse_gqa.py``) keeps one or two tiles in flight per program and
+converts both K and V to float16 before its tile products. This kernel keeps three blocks of keys in
+flight per CTA, never converts K, and runs two softmax consumers per CTA:
+
+- **One CTA per (row, KV head, block of 16 query heads, split).** A block is 64 keys of one selected
+  page (``cdiv(page_size, 64)`` blocks per page); a split is a range of blocks (at most 64 pages).
+- **Three partitions** (``gl.warp_specialize``; 80 registers per thread and ~108 KB of shared memory,
+  so two CTAs fit on an SM):
+
+  - *producer* (4 warps): resolves the split's page list up front into a shared-memory table
+    (physical page and visible key count of each selected page), then per block copies the 64 K rows
+    and the 64 V rows (128 bytes each, ``cp.async`` with zero fill for keys the row may not see) into
+    a ring of ``NUM_STAGES`` raw stages, ``NUM_STAGES - 1`` blocks ahead, and hands each block over
+    when it has landed. It only copies.
+  - *two consumers* (4 warps each) take alternate blocks, each with its own online softmax: per block
+    ``S^T = K Q^T`` ``[64 keys, 16 heads]`` with float8 ``wgmma`` straight from the raw K stage, the
+    expansion of the block's V bytes to a float16 tile while that runs, the softmax down the key axis,
+    ``P^T`` to shared memory and ``O^T += V^T P^T`` ``[128 dims, 16 heads]``; then the stage goes back
+    to the producer. The second hands its state to the first, which merges and writes the result.
+
+- **Exact products.** ``wgmma`` with float8 operands needs both in float8. The query row is scaled by
+  a power of two that brings its largest magnitude into ``[2**7, 2**8)`` and written as a sum of
+  e4m3 pieces, each the nearest e4m3 value of what the previous ones left: two for a bfloat16 query
+  (what the first leaves of a bfloat16 value has at most 4 significant bits), three for float16.
+  Every element of at least ``2**-9`` (bfloat16) or ``2**-6`` (float16) of its row's largest is then
+  represented exactly, smaller ones to within ``2**-18`` of the largest (e4m3's subnormal grid). The
+  products accumulate in float32. V values are exact in float16: the expansion writes ``v * 2**-8``
+  (the e4m3 sign, exponent and mantissa bits moved into a float16), the epilogue multiplies by
+  ``2**8``; ``P`` is rounded to float16.
+- **Split-K** writes the partials of the portable kernel (``m``, ``l``, ``acc`` rows of
+  ``ops/sparse_gqa.py``), which its combine kernel merges.
+
+Requirements (:func:`supported`; anything else takes the portable kernel): an sm_90 device, a float8
+value cache with ``Dh = 128`` whose base address and page, head and row strides are multiples of 16
+bytes, a bfloat16 or float16 query. Gluon does not run under the Triton interpreter: this kernel is
+tested on the GPU only (``tests/test_sparse_gqa.py``, the ``hopper`` tests). ``docs/sparse_gqa.md``,
+"Decode on Hopper", has the measurements.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._launch import KernelLaunch, LaunchPlan, cdiv, next_pow2
+from .sparse_mla_hopper import HAS_GLUON, _is_sm90
+
+if HAS_GLUON:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        async_copy,
+        fence_async_shared,
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+BLOCK_N = 64  # keys per block (one ring stage)
+BLOCK_H = 16  # query heads per CTA (larger groups take several head blocks)
+HEAD_DIM = 128
+NUM_STAGES = 4  # raw stages of the ring: NUM_STAGES - 1 blocks in flight
+# Registers per thread: the kernel's (two CTAs of 12 warps per SM) and the worker partitions' (the second
+# consumer, the producer; setmaxnreg), the first consumer (the default partition) gets the rest.
+_MAXNREG = 80
+_WORKER_REGS = (88, 56)
+# CTAs the plan aims at per SM (registers and ~108 KB of shared memory per CTA allow two)
+_CTAS_PER_SM = 2
+# Fewest blocks a split keeps (a split of one block has nothing to overlap its copies with).
+_MIN_BLOCKS_PER_SPLIT = 2
+# Most selected pages one CTA walks (its page table lives in shared memory).
+_MAX_PAGES_PER_SPLIT = 64
+
+if HAS_GLUON:
+    _BN = gl.constexpr(BLOCK_N)
+    _FLT_MAX = gl.constexpr(3.4028234663852886e38)
+
+    # Four e4m3 bytes -> four float16 values times 2**-8, with integer instructions: each byte goes to the
+    # high byte of a 16-bit lane (sign at bit 15, exponent and mantissa at bits 8-14), and subtracting
+    # half of the exponent-and-mantissa field moves it down one bit (bits 7-13) while the sign stays. The
+    # result is the float16 with exponent field = e4m3 exponent field and the mantissa's top 3 bits =
+    # e4m3 mantissa, i.e. the value times 2**-8 (subnormals included); e4m3 NaN becomes +-1.875.
+    _E4M3X4_TO_F16X4 = gl.constexpr("""
+    {
+    .reg .b32 t0, t1, u0, u1;
+    prmt.b32 t0, $2, 0, 0x1404;
+    prmt.b32 t1, $2, 0, 0x3424;
+    and.b32 u0, t0, 0x7F007F00;
+    and.b32 u1, t1, 0x7F007F00;
+    shr.b32 u0, u0, 1;
+    shr.b32 u1, u1, 1;
+    sub.u32 $0, t0, u0;
+    sub.u32 $1, t1, u1;
+    }
+    """)
+
+    _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
+
+    @gluon.jit
+    def _e4m3_to_f16_scaled(raw):
+        return gl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [raw], dtype=gl.float16, is_pure=True,
+                                         pack=4)
+
+    @gluon.jit
+    def _cta_range(pid, num_kv_heads, num_head_blocks, num_splits, blocks_per_split, n_blocks):
+        """``(t, g, hb, split, blk_lo, blk_hi)`` of this CTA: the same in both partitions."""
+        hb = pid % num_head_blocks
+        rest = pid // num_head_blocks
+        g = rest % num_kv_heads
+        rest = rest // num_kv_heads
+        split = rest % num_splits
+        t = (rest // num_splits).to(gl.int64)
+        blk_lo = split * blocks_per_split
+        blk_hi = gl.maximum(gl.minimum(blk_lo + blocks_per_split, n_blocks), blk_lo)
+        return t, g, hb, split, blk_lo, blk_hi
+
+    # -------------------------------------------------------------------------------------------------
+    # producer
+    # -------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _issue_block(blk, stage, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, stride_co, g,
+                     kraw, vraw, valid_smem, CPB: gl.constexpr):
+        """Start the copies of block ``blk`` (K rows, V rows) into raw stage ``stage``; keys the row may
+        not see copy nothing and read as zeros. Also stores the keys' validity. No commit."""
+        CP: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        jj = blk // CPB - j_lo
+        p_phys = gl.sum(page_phys.index(jj).load(ONE), axis=0).to(gl.int64)
+        p_keys = gl.sum(page_keys.index(jj).load(ONE), axis=0)
+        o = (blk % CPB) * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, CP))
+        valid = o < p_keys
+        valid_smem.index(stage).store(valid.to(gl.int8))
+        rows = cache_ptr + p_phys * stride_cp + g * stride_ch + o.to(gl.int64) * stride_co
+        cols = gl.arange(0, 128, layout=gl.SliceLayout(0, CP))
+        ptrs = (rows[:, None] + cols[None, :]).to(gl.pointer_type(gl.uint8), bitcast=True)
+        vmask = valid[:, None]
+        async_copy.async_copy_global_to_shared(kraw.index(stage), ptrs, mask=vmask)
+        async_copy.async_copy_global_to_shared(vraw.index(stage), ptrs + 128, mask=vmask)
+
+    @gluon.jit
+    def _producer(cache_ptr, stride_cp, stride_ch, stride_co,
+                  topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                  bt_ptr, stride_bt_r, stride_bt_c,
+                  kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                  num_pages, num_req, max_blocks, n_sel,
+                  num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                  kraw, vraw, valid_smem, page_phys, page_keys, ready, kfree,
+                  PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr):
+        stride_cp = gl.cast(stride_cp, gl.int64)
+        stride_ch = gl.cast(stride_ch, gl.int64)
+        stride_co = gl.cast(stride_co, gl.int64)
+        t, g, hb, split, blk_lo, blk_hi = _cta_range(gl.program_id(0), num_kv_heads, num_head_blocks, num_splits,
+                                                     blocks_per_split, n_sel * CPB)
+        n = blk_hi - blk_lo
+        req = t // decode_query_len
+        kv_len = gl.load(kv_lens_ptr + t * stride_kvl).to(gl.int64)
+        qo = gl.load(qo_ptr + t * stride_qo).to(gl.int64)
+        limit = gl.minimum(qo + 1, kv_len)  # positions x < limit are visible
+        # The split's pages (blocks [blk_lo, blk_hi) lie on pages j_lo .. (blk_hi - 1) // CPB), resolved
+        # up front: no dependent index loads in the loop.
+        SEL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        j_lo = blk_lo // CPB
+        sel = gl.arange(0, BLOCK_SEL, layout=SEL)
+        js = (j_lo + sel).to(gl.int64)
+        sel_ok = (js < n_sel) & (j_lo + sel <= (blk_hi - 1) // CPB)
+        page = gl.load(topk_ptr + t * stride_tk_t + g.to(gl.int64) * stride_tk_h + js * stride_tk_j, mask=sel_ok,
+                       other=-1).to(gl.int64)
+        bt_ok = sel_ok & (page >= 0) & (page < max_blocks) & (req < num_req)
+        phys = gl.load(bt_ptr + req * stride_bt_r + page * stride_bt_c, mask=bt_ok, other=-1).to(gl.int64)
+        page_ok = bt_ok & (phys >= 0) & (phys < num_pages)
+        n_keys = gl.minimum(gl.maximum(limit - page * PAGE_SIZE, 0), PAGE_SIZE)
+        n_keys = gl.where(page_ok, n_keys, 0)
+        phys = gl.where(page_ok, phys, 0)
+        # kept in shared memory: each block reads its page's two numbers back (a register vector would need
+        # a cross-warp reduction per block, or a copy per thread, which spills for long lists)
+        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        page_phys._reinterpret(gl.int32, [BLOCK_SEL], VL1).store(phys.to(gl.int32))
+        page_keys._reinterpret(gl.int32, [BLOCK_SEL], VL1).store(n_keys.to(gl.int32))
+        _cta_barrier()
+
+        for k in gl.static_range(NR - 1):
+            if k < n:
+                _issue_block(blk_lo + k, k, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, stride_co, g,
+                             kraw, vraw, valid_smem, CPB)
+            async_copy.commit_group()
+        for i in range(0, n):
+            async_copy.wait_group(NR - 2)  # block i has landed (this thread's copies)
+            _cta_barrier()  # every thread's copies of block i are done
+            mbarrier.arrive(ready.index(i % NR))
+            nxt = i + NR - 1
+            if nxt < n:
+                if i >= 1:
+                    # the stage of block i - 1: its consumer is done with its bytes and validity
+                    mbarrier.wait(kfree.index((i - 1) % NR), ((i - 1) // NR) & 1)
+                _issue_block(blk_lo + nxt, nxt % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch,
+                             stride_co, g, kraw, vraw, valid_smem, CPB)
+            async_copy.commit_group()
+
+    # -------------------------------------------------------------------------------------------------
+    # consumers
+    # -------------------------------------------------------------------------------------------------
+
+    @gluon.jit
+    def _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB: gl.constexpr, NQ: gl.constexpr,
+                STORE: gl.constexpr):
+        """This CTA's ``HB`` query rows (zeros past the group) scaled by a power of two per row (largest
+        magnitude in ``[2**7, 2**8)``); with ``STORE`` their ``NQ`` e4m3 pieces go to ``qs``. Returns the
+        inverse of each row's power of two."""
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        i = hb * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, QL))
+        ok = i < group
+        h = (g * group + i).to(gl.int64)
+        d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL)).to(gl.int64)
+        x = gl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd, mask=ok[:, None],
+                    other=0.0).to(gl.float32)
+        amax = gl.max(gl.abs(x), axis=1)
+        e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF  # biased exponent of the row's largest |q|
+        k = gl.minimum(134 - e, 64)  # amax * 2**k in [2**7, 2**8) for a normal amax
+        up = ((127 + k) << 23).to(gl.float32, bitcast=True)
+        down = ((127 - k) << 23).to(gl.float32, bitcast=True)
+        if STORE:
+            y = x * up[:, None]
+            p0 = y.to(gl.float8e4nv)
+            qs.index(0).store(p0)
+            r = y - p0.to(gl.float32)
+            p1 = r.to(gl.float8e4nv)
+            qs.index(1).store(p1)
+            if NQ == 3:
+                r = r - p1.to(gl.float32)
+                qs.index(2).store(r.to(gl.float8e4nv))
+            fence_async_shared()
+        return down
+
+    @gluon.jit
+    def _consumer(q_ptr, stride_qt, stride_qh, stride_qd,
+                  k_scale_ptr, v_scale_ptr,
+                  out_ptr, stride_ot, stride_oh, stride_od,
+                  ws_ptr, ws_rows,
+                  num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                  qk_scale, v_scale,
+                  qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree, q_ready, merge_ready,
+                  CID: gl.constexpr,
+                  CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
+                  HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
+        """Consumer ``CID`` (0 or 1): blocks ``CID, CID + 2, ...`` of the split, with its own online
+        softmax; consumer 0 stages Q, merges consumer 1's state into its own and writes the result."""
+        pid = gl.program_id(0)
+        CP: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        t, g, hb, split, blk_lo, blk_hi = _cta_range(pid, num_kv_heads, num_head_blocks, num_splits,
+                                                     blocks_per_split, n_sel * CPB)
+        n = blk_hi - blk_lo
+        down = _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB, NQ, CID == 0)
+        if CID == 0:
+            _cta_barrier()  # every warp's part of Q is stored (and fenced) before the first MMA
+            mbarrier.arrive(q_ready)
+        else:
+            mbarrier.wait(q_ready, 0)
+
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 32])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
+        HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
+        HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
+
+        # Per-head score factor (base 2): the float scales, the device K scale, the query's power of two.
+        qk = gl.convert_layout(down, HEADS) * qk_scale
+        if HAS_K_SCALE:
+            qk = qk * gl.load(k_scale_ptr)
+        qk = gl.minimum(gl.maximum(qk, -_FLT_MAX), _FLT_MAX)
+
+        zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
+        o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
+        m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
+        l_rows = gl.zeros([_BN, HB], gl.float32, layout=S_L)
+        v_tile = vh.index(CID)
+        pt = pt_smem.index(CID)
+        for i in range(CID, n, 2):
+            s = i % NR
+            mbarrier.wait(ready.index(s), (i // NR) & 1)
+            fence_async_shared()  # the stage's copies (generic proxy) before the MMA reads them
+            k_tile = kraw.index(s)._reinterpret(gl.float8e4nv, [_BN, 128], KL)
+            acc = warpgroup_mma(k_tile, qs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(k_tile, qs.index(1).permute((1, 0)), acc, is_async=True)
+            if NQ == 3:
+                acc = warpgroup_mma(k_tile, qs.index(2).permute((1, 0)), acc, is_async=True)
+            # while the MMA runs: the block's V bytes to the float16 tile (free: this consumer's last P V
+            # completed before the barrier that ended its last block)
+            v_tile.store(_e4m3_to_f16_scaled(vraw.index(s).load(CP)))
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+            valid = valid_smem.index(s).load(KEYS) != 0
+
+            u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
+            u = gl.where(valid[:, None], u, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(u, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(u - m_safe[None, :])
+            # the row sums stay per key row (summed over the keys once, after the loop): no cross-warp
+            # reduction per block
+            l_rows = l_rows * alpha[None, :] + p
+            m_i = m_new
+            pt.store(p.to(gl.float16))
+            fence_async_shared()
+            _cta_barrier()  # every warp's part of P^T and of the V tile is stored before any warp's MMA reads them
+            a = gl.convert_layout(alpha, HEADS_O)[None, :]
+            o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o,))
+            _cta_barrier()  # every warp's MMA has read the V tile and P^T
+            mbarrier.arrive(kfree.index(s))  # the stage's K, V bytes and validity
+
+        m_o = gl.convert_layout(m_i, HEADS_O)
+        l_o = gl.convert_layout(gl.sum(l_rows, axis=0), HEADS_O)
+        heads = hb * HB + gl.arange(0, HB, layout=HEADS_O)
+        # consumer 1 hands (m, l, O^T) over through shared memory (O^T in its V tile, now unused)
+        o_smem = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        ml = ml_smem._reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[0]))
+        if CID == 1:
+            o_smem.store(o)
+            ml.slice(0, HB).store(m_o)
+            ml.slice(HB, HB).store(l_o)
+            _cta_barrier()
+            mbarrier.arrive(merge_ready)
+        else:
+            mbarrier.wait(merge_ready, 0)
+            m1 = ml.slice(0, HB).load(HEADS_O)
+            l1 = ml.slice(HB, HB).load(HEADS_O)
+            m_all = gl.maximum(m_o, m1)
+            m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+            a0 = gl.exp2(m_o - m_safe)
+            a1 = gl.exp2(m1 - m_safe)
+            l_o = l_o * a0 + l1 * a1
+            o = o * a0[None, :] + o_smem.load(O_L) * a1[None, :]
+            m_o = m_all
+        if CID == 0:
+            # Epilogue: O^T [128 dims, HB]; the V tiles held v * 2**-8.
+            head_ok = heads < group
+            h = (g * group + heads).to(gl.int64)
+            dims = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L)).to(gl.int64)
+            o = o * 256.0
+            if SPLIT:
+                ws_rows = gl.cast(ws_rows, gl.int64)
+                row = (t * num_kv_heads * group + h) * num_splits + split
+                gl.store(ws_ptr + row, m_o, mask=head_ok)
+                gl.store(ws_ptr + ws_rows + row, l_o, mask=head_ok)
+                gl.store(ws_ptr + 2 * ws_rows + row[None, :] * 128 + dims[:, None], o, mask=head_ok[None, :])
+            else:
+                vf = gl.full([HB], 1.0, gl.float32, layout=HEADS_O) * v_scale
+                if HAS_V_SCALE:
+                    vf = gl.minimum(gl.maximum(vf * gl.load(v_scale_ptr), -_FLT_MAX), _FLT_MAX)
+                factor = vf / gl.where(l_o > 0, l_o, 1.0)  # no key: the accumulator is 0, the output 0
+                ptrs = (out_ptr + t * stride_ot + h[None, :] * stride_oh + dims[:, None] * stride_od)
+                gl.store(ptrs, (o * factor[None, :]).to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
+
+    # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
+    # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
+    # (found on an H200 with a one-page list).
+    @gluon.jit(do_not_specialize=("n_sel", "blocks_per_split", "num_splits"))
+    def _sparse_gqa_decode_hopper_kernel(
+        q_ptr, stride_qt, stride_qh, stride_qd,  # [T, Hq, 128] bf16 / fp16
+        cache_ptr, stride_cp, stride_ch, stride_co,  # the float8 value cache [pages, Hkv, page_size, 256]
+        topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,  # int32 [T, Hkv, n_sel]
+        bt_ptr, stride_bt_r, stride_bt_c,  # int32 [B, W]
+        kv_lens_ptr, stride_kvl,  # int32 [T]
+        qo_ptr, stride_qo,  # int32 [T]
+        k_scale_ptr, v_scale_ptr,  # float32 device scales (HAS_K_SCALE / HAS_V_SCALE)
+        out_ptr, stride_ot, stride_oh, stride_od,  # [T, Hq, 128] (not SPLIT)
+        ws_ptr, ws_rows,  # SPLIT: the portable kernel's workspace, m [R], l [R], acc [R, 128]
+        num_kv_heads, group, num_head_blocks,
+        num_pages, num_req, max_blocks, n_sel,
+        blocks_per_split, num_splits, decode_query_len,
+        qk_scale, v_scale,  # as the portable kernel's
+        PAGE_SIZE: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
+        HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr, WORKER_REGS: gl.constexpr,
+    ):
+        CPB: gl.constexpr = (PAGE_SIZE + _BN - 1) // _BN
+        KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+        VL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        qs = gl.allocate_shared_memory(gl.float8e4nv, [NQ, HB, 128], KL)
+        kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)
+        vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], RAW)
+        vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
+        valid_smem = gl.allocate_shared_memory(gl.int8, [NR, _BN], VL1)
+        page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)  # the split's pages (producer)
+        page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
+        pt_smem = gl.allocate_shared_memory(gl.float16, [2, _BN, HB], PL)
+        ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)  # consumer 1's (m, l)
+        ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
+        kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        merge_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NR):
+            mbarrier.init(ready.index(s), count=1)  # the producer: K, V bytes and validity of a block
+            mbarrier.init(kfree.index(s), count=1)  # the block's consumer: done with the stage
+        mbarrier.init(q_ready, count=1)  # consumer 0: Q staged
+        mbarrier.init(merge_ready, count=1)  # consumer 1: its state handed over
+        fence_async_shared()
+        gl.warp_specialize(
+            [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                          qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
+                          q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+             (_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                          qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
+                          q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+             (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
+                          topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                          bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                          num_pages, num_req, max_blocks, n_sel,
+                          num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                          kraw, vraw, valid_smem, page_phys, page_keys, ready, kfree,
+                          PAGE_SIZE, CPB, NR, BLOCK_SEL))],
+            [4, 4], WORKER_REGS)
+
+
+# =====================================================================================================
+# host side
+# =====================================================================================================
+
+
+def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """Whether the Hopper kernel serves this call (else the portable kernel does): shapes, strides,
+    dtypes and the cache's base address only."""
+    if not HAS_GLUON or q.device.type != "cuda" or kv_cache.dtype != torch.float8_e4m3fn:
+        return False
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM:
+        return False
+    if any(s % 16 for s in kv_cache.stride()[:3]) or kv_cache.data_ptr() % 16:
+        return False
+    return _is_sm90(q.device)
+
+
+def plan_launch(num_tokens: int, num_kv_heads: int, group: int, n_sel: int, page_size: int, num_sms: int,
+                num_splits: int | None = None) -> LaunchPlan:
+    """One CTA per (row, KV head, head block, split), about ``_CTAS_PER_SM`` resident per SM. The
+    blocks of 64 keys of a row's selected pages are split over as many CTAs as fill the GPU once,
+    keeping at least ``_MIN_BLOCKS_PER_SPLIT`` blocks per split."""
+    block_h = BLOCK_H
+    head_blocks = cdiv(group, block_h)
+    n_blocks = n_sel * cdiv(page_size, BLOCK_N)
+    programs = max(num_tokens * num_kv_heads * head_blocks, 1)
+    if num_splits is None:
+        num_splits = max(1, min(_CTAS_PER_SM * num_sms // programs, n_blocks // _MIN_BLOCKS_PER_SPLIT))
+    num_splits = max(num_splits, cdiv(n_sel, _MAX_PAGES_PER_SPLIT))  # bounds the page table a CTA keeps
+    num_splits = max(1, min(num_splits, max(n_blocks, 1)))
+    per_split = cdiv(max(n_blocks, 1), num_splits)
+    num_splits = cdiv(max(n_blocks, 1), per_split)  # no empty split
+    return LaunchPlan(block_h=block_h, head_blocks=head_blocks, block_n=BLOCK_N, num_splits=num_splits,
+                      num_warps=4, num_stages=NUM_STAGES, transposed=True)
+
+
+def blocks_per_split(n_sel: int, page_size: int, plan: LaunchPlan) -> int:
+    return cdiv(max(n_sel * cdiv(page_size, BLOCK_N), 1), plan.num_splits)
+
+
+def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len, qk_scale,
+                v_scale, has_k_scale, has_v_scale, out, plan: LaunchPlan) -> KernelLaunch:
+    """The decode launch of one plan. Tensor arguments, in order: q, kv_cache (as uint8), topk_pages,
+    block_table, kv_segment_lens, qo_offset, k scale, v scale, out, workspace, as the portable kernel's
+    launch (``ops/sparse_gqa.py::_make_launches``)."""
+    if plan.block_h != BLOCK_H or plan.block_n != BLOCK_N or plan.num_stages < 2:
+        raise ValueError(f"config: the Hopper sparse-GQA kernel takes block_h {BLOCK_H}, block_n {BLOCK_N} and "
+                         f"num_stages >= 2, not {plan.block_h}, {plan.block_n}, {plan.num_stages}")
+    num_tokens, num_q_heads, _ = q.shape
+    num_pages, num_kv_heads, page_size = kv_cache.shape[:3]
+    n_sel = topk_pages.shape[2]
+    group = num_q_heads // num_kv_heads
+    per_split = blocks_per_split(n_sel, page_size, plan)
+    cpb = cdiv(page_size, BLOCK_N)
+    rows = num_tokens * num_q_heads * plan.num_splits
+    args = (
+        q, q.stride(0), q.stride(1), q.stride(2),
+        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        topk_pages, topk_pages.stride(0), topk_pages.stride(1), topk_pages.stride(2),
+        block_table, block_table.stride(0), block_table.stride(1),
+        kv_segment_lens, kv_segment_lens.stride(0),
+        qo_offset, qo_offset.stride(0),
+        out, out,
+        out, out.stride(0), out.stride(1), out.stride(2),
+        out, rows,
+        num_kv_heads, group, plan.head_blocks,
+        num_pages, block_table.shape[0], block_table.shape[1], n_sel,
+        per_split, plan.num_splits, decode_query_len,
+        qk_scale, v_scale,
+    )
+    meta = dict(PAGE_SIZE=page_size, HB=plan.block_h, NQ=3 if q.dtype == torch.float16 else 2, NR=plan.num_stages,
+                BLOCK_SEL=max(next_pow2(cdiv(per_split, cpb) + 1), 2), HAS_K_SCALE=has_k_scale,
+                HAS_V_SCALE=has_v_scale, SPLIT=plan.num_splits > 1, WORKER_REGS=_WORKER_REGS)
+    grid = (num_tokens * num_kv_heads * plan.head_blocks * plan.num_splits,)
+    return KernelLaunch(_sparse_gqa_decode_hopper_kernel, grid, args, meta, num_warps=4, device=q.device,
+                        maxnreg=_MAXNREG)
+
+
+__all__ = ["BLOCK_N", "HAS_GLUON", "NUM_STAGES", "make_launch", "plan_launch", "supported"]
