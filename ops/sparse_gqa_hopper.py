@@ -57,6 +57,8 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
+    from .sparse_mla_hopper import _cta_barrier
+
 BLOCK_N = 64  # keys per block (one ring stage)
 BLOCK_H = 16  # query heads per CTA (larger groups take several head blocks)
 HEAD_DIM = 128
@@ -94,8 +96,6 @@ if HAS_GLUON:
     sub.u32 $1, t1, u1;
     }
     """)
-
-    _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
 
     @gluon.jit
     def _e4m3_to_f16_scaled(raw):
