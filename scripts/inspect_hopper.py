@@ -91,6 +91,55 @@ def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages:
                           options={"num_warps": 4, "maxnreg": gqa_hopper._MAXNREG})
 
 
+def barrier_aliases(ck) -> int | None:
+    """How many shared-memory scratch buffers (layout conversions, reductions) the compiler placed on an
+    mbarrier: runs the shared-memory allocation of the TTGIR -> LLVM lowering again on the compiled
+    TTGIR and compares offsets. The allocator reuses the memory of a barrier it considers dead (one that
+    is initialised and never used again), but PTX requires an ``mbarrier.inval`` before an mbarrier's
+    memory is used for anything else; a one-consumer variant of the sparse-GQA kernel had exactly that
+    and gave non-finite rows on an H200 (``docs/sparse_gqa.md``). ``None`` where this triton's pass API
+    differs from 3.6 / 3.7's."""
+    try:
+        from triton._C.libtriton import ir, nvidia, passes
+
+        ctx = ir.context()
+        ir.load_dialects(ctx)
+        nvidia.load_dialects(ctx)
+        with tempfile.TemporaryDirectory() as d:
+            path = os.path.join(d, "k.ttgir")
+            with open(path, "w") as f:
+                f.write(ck.asm["ttgir"])
+            mod = ir.parse_mlir_module(path, ctx)
+        mod.context = ctx
+        pm = ir.pass_manager(ctx)
+        passes.ttgpuir.add_combine_tensor_select_and_if(pm)
+        passes.ttgpuir.add_allocate_warp_groups(pm)
+        passes.convert.add_scf_to_cf(pm)
+        passes.gluon.add_inliner(pm)
+        nvidia.passes.ttgpuir.add_allocate_shared_memory_nv(pm, 90, 87)
+        pm.run(mod, "allocate")
+        text = str(mod)
+    except Exception:  # noqa: BLE001 - another triton: no answer rather than a wrong one
+        return None
+    barriers, scratch = [], []
+    for line in text.splitlines():
+        m = re.search(r"ttg\.local_alloc \{allocation\.offset = (\d+) : i32\} : \(\) -> !ttg\.memdesc<([\dx]+)xi64", line)
+        if m:
+            count = 1
+            for dim in m.group(2).split("x"):
+                count *= int(dim)
+            barriers.append((int(m.group(1)), int(m.group(1)) + 8 * count))
+            continue
+        m = re.search(r"allocation\.offset = (\d+)", line)
+        if m and "ttg.local_alloc" not in line:
+            scratch.append(int(m.group(1)))
+    return sum(1 for s in scratch for lo, hi in barriers if lo <= s < hi)
+
+
+def _or_unknown(value) -> str:
+    return "?" if value is None else str(value)
+
+
 def report(ck, label: str, sass_dir: str | None) -> str:
     ptx = ck.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
@@ -112,7 +161,8 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     maxnreg = re.findall(r"maxnreg (\d+)", ptx)
     line = (f"{label:44s} maxnreg={maxnreg} setmaxnreg={setmax} "
             f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
-            f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items()))
+            f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items())
+            + f" barrier_alias={_or_unknown(barrier_aliases(ck))}")
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
         with open(os.path.join(sass_dir, label.replace(" ", "_") + ".sass"), "w") as f:

@@ -1440,8 +1440,8 @@ def requires_hopper(test):
 def test_hopper_kernel_builds_for_sm90_within_limits():
     """Without a GPU: the Hopper sparse-GQA kernel (split x query dtype) compiles for sm_90a with the ptxas
     shipped in the triton wheel (``scripts/inspect_hopper.py --gqa``), at 80 registers per thread and
-    shared memory for two CTAs per SM, with float8 and float16 tensor-core products and (nearly) no
-    spills."""
+    shared memory for two CTAs per SM, with float8 and float16 tensor-core products, (nearly) no
+    spills, and no shared-memory scratch buffer placed on an mbarrier."""
     import re
 
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -1461,6 +1461,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
         assert spill_stores <= 64, row
         assert counts["HGMMA"] > 0 and counts["QGMMA"] > 0 and counts["SYNCS"] > 0, row
+        assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier (docs/sparse_gqa.md)
 
 
 @pytest.mark.parametrize("tokens,n_sel,splits", [(64, 16, 1), (256, 16, 1), (16, 16, 4), (1, 16, 16), (4, 200, 16),

@@ -927,7 +927,8 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
     """Without a GPU: every variant of the Hopper kernel (format x split x extra list) compiles for
     sm_90a with the ptxas shipped in the triton wheel (``scripts/inspect_hopper.py``), fits the
     232,448 bytes of shared memory a block may use (fp8_656 with an extra list uses all of them), uses
-    the tensor cores and mbarriers, and spills at most a few hundred bytes."""
+    the tensor cores and mbarriers, spills at most a few hundred bytes, and has no shared-memory scratch
+    buffer placed on an mbarrier (``scripts/inspect_hopper.py::barrier_aliases``)."""
     import re
 
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -946,6 +947,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         assert smem <= DEFAULT_SHARED_BYTES, row  # 232,448 bytes on sm_90
         assert spill_stores <= 512, row
         assert counts["HGMMA"] > 0 and counts["SYNCS"] > 0, row
+        assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier
 
 
 @requires_hopper
