@@ -408,12 +408,15 @@ def _gqa(q, cache, topk, table, lens, out=None):
 
 @requires_cuda
 @large
-def test_cuda_gqa_cache_over_2g(free_cuda):
-    """A bf16 cache of more than 2**31 elements; the selected pages are its last ones."""
+@pytest.mark.parametrize("cache_dtype", [BF16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_cuda_gqa_cache_over_2g(free_cuda, cache_dtype):
+    """A cache of more than 2**31 elements (a float8 one runs the Hopper kernel on sm_90); the selected
+    pages are its last ones."""
     q, small, topk, table, lens = _gqa_small(10)
+    small = small.to(cache_dtype)
     per_page = small[0].numel()
     pages = 2**31 // per_page + 8
-    big = torch.full((pages, *small.shape[1:]), float("nan"), dtype=BF16, device="cuda")
+    big = torch.full((pages, *small.shape[1:]), float("nan"), dtype=cache_dtype, device="cuda")
     big[pages - small.shape[0]:] = small.cuda()
     got = _gqa(q.cuda(), big, topk.cuda(), (table + pages - small.shape[0]).cuda(), lens.cuda())
     want = _gqa(q, small, topk, table, lens)
@@ -423,9 +426,12 @@ def test_cuda_gqa_cache_over_2g(free_cuda):
 
 @requires_cuda
 @large
-def test_cuda_gqa_permuted_q_and_out(free_cuda):
-    """``q`` and ``out`` ``[T, Hq, Dh]`` with ``stride(2)`` past 2**31 / Dh."""
+@pytest.mark.parametrize("cache_dtype", [BF16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_cuda_gqa_permuted_q_and_out(free_cuda, cache_dtype):
+    """``q`` and ``out`` ``[T, Hq, Dh]`` with ``stride(2)`` past 2**31 / Dh (a float8 cache runs the
+    Hopper kernel on sm_90)."""
     q, small, topk, table, lens = _gqa_small(11)
+    small = small.to(cache_dtype)
     t, hq, dh = q.shape
     stride = 2**31 // (dh - 1) + 3
     q_base = torch.full((dh, stride), float("nan"), dtype=BF16, device="cuda")
