@@ -42,6 +42,17 @@ _skip_without_cuda = pytest.mark.skipif(
 def requires_cuda(test):
     """Marks a GPU test: skipped without CUDA, selected by ``-m cuda`` (scripts/sanitize.sh)."""
     return pytest.mark.cuda(_skip_without_cuda(test))
+
+
+_skip_without_hopper = pytest.mark.skipif(
+    not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)),
+    reason="needs an sm_90 GPU (the Hopper kernel)",
+)
+
+
+def requires_hopper(test):
+    """A GPU test of a Hopper kernel: skipped elsewhere, selected by ``-m cuda`` like every GPU test."""
+    return pytest.mark.cuda(_skip_without_hopper(test))
 requires_interpreter = pytest.mark.skipif(
     not INTERPRETER,
     reason="Triton interpreter parity runs where TRITON_INTERPRET=1 was set before import (CPU machines, CI)",

@@ -26,8 +26,8 @@ from expecttest import assert_expected_inline
 
 from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
-from common import (compile_counter, poison, records_split_launches, requires_cuda, requires_interpreter,
-                    run_offline_compile)
+from common import (compile_counter, poison, records_split_launches, requires_cuda, requires_hopper,
+                    requires_interpreter, run_offline_compile)
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 NVFP4 = "nvfp4"  # the uint8 NVFP4 cache format
@@ -1420,21 +1420,12 @@ HOPPER_CASES = [
         scale_tensors=True, offset=0),
     # a padded group of 8, pages smaller than a block, padded page stride
     Cfg(hq=8, hkv=1, dh=128, page_size=16, dql=2, q_dtype=FP16, kv_dtype=FP8, batch=3, page_pad=32, offset=16),
-    # 24 heads per KV head: one block of 32; pages of 96 (a partial second block)
+    # 24 heads per KV head: two blocks of 16 (the second half padding); pages of 96 (a partial second block)
     Cfg(hq=24, hkv=1, dh=128, page_size=96, dql=1, q_dtype=BF16, kv_dtype=FP8, batch=3, offset=16),
-    # 48 heads per KV head: two blocks of 32; pages of 200 (4 blocks, the last of 8 keys)
+    # 48 heads per KV head: three blocks of 16; pages of 200 (4 blocks, the last of 8 keys)
     Cfg(hq=96, hkv=2, dh=128, page_size=200, dql=3, q_dtype=FP16, kv_dtype=FP8, batch=2, n_sel=3, layout="NHD",
         page_pad=16, offset=16, scale_tensors=True),
 ]
-
-
-def _hopper_device() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def requires_hopper(test):
-    """A GPU test of the Hopper kernel: skipped elsewhere, selected by ``-m cuda`` like every GPU test."""
-    return pytest.mark.cuda(pytest.mark.skipif(not _hopper_device(), reason="needs an sm_90 GPU (the Hopper kernel)")(test))
 
 
 def test_hopper_kernel_builds_for_sm90_within_limits():

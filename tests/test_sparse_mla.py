@@ -20,8 +20,8 @@ import torch_sparse_mla
 from torch_sparse_mla.ops import sparse_mla as mla_ops
 from torch_sparse_mla.ops._formats import FORMAT_IDS, dequantize_torch, load_kv_tile
 
-from common import (assert_no_recompiles, poison, records_split_launches, requires_cuda, requires_interpreter,
-                    run_offline_compile)
+from common import (assert_no_recompiles, poison, records_split_launches, requires_cuda, requires_hopper,
+                    requires_interpreter, run_offline_compile)
 import formats_reference as fr
 
 _ops = torch.ops.sparse_mla
@@ -912,15 +912,6 @@ _HOPPER = [Spec(kv_format=f, T=t, H=h, K=k, dim=d) for f, d in (("fp8_656", None
     Spec(kv_format="fp8_656", T=3, H=64, K=256, scale=0.3, sink="finite"),
     Spec(kv_format="fp8_656", T=200, H=64, K=128, lengths=True),  # more programs than SMs, no split
 ]
-
-
-def _hopper_device() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
-
-
-def requires_hopper(test):
-    """A GPU test of the Hopper kernel: skipped elsewhere, selected by ``-m cuda`` like every GPU test."""
-    return pytest.mark.cuda(pytest.mark.skipif(not _hopper_device(), reason="needs an sm_90 GPU (the Hopper kernel)")(test))
 
 
 def test_hopper_kernel_builds_for_sm90_within_limits():
