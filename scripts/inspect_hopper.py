@@ -31,8 +31,6 @@ VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
 def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True, lengths: bool = True,
                     heads: int = 64):
     """``heads`` 64: the 64-head kernel; 16 or 32: the few-heads kernel with that many heads per CTA."""
-    from triton.experimental import gluon
-
     dim = 512 if kv_format == "fp8_584" else 576
     constexprs = dict(KV_FORMAT={"auto": 0, "fp8_656": 1, "fp8_584": 2}[kv_format], D=dim, FOLD=kv_format == "fp8_656",
                       HAS_LEN=lengths, HAS_EXTRA=extra, HAS_XLEN=extra and lengths, HAS_SINK=sink, SPLIT=split,
@@ -43,36 +41,35 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
     else:
         fn = hopper._sparse_mla_decode_hopper_t_kernel
         constexprs.update(HB=heads, WORKER_REGS=hopper._WORKER_REGS_T)
-    names = fn.arg_names
     cache_ty = "*bf16" if kv_format == "auto" else "*u8"
     pointer_types = {"q_ptr": "*bf16", "cache_ptr": cache_ty, "xcache_ptr": cache_ty, "idx_ptr": "*i32",
                      "xidx_ptr": "*i32", "len_ptr": "*i32", "xlen_ptr": "*i32", "sink_ptr": "*fp32",
                      "out_ptr": "*bf16", "lse_ptr": "*fp32", "ws_ptr": "*fp32"}
-    signature = {}
-    for n in names:
-        if n in constexprs:
-            signature[n] = "constexpr"
-        elif n in pointer_types:
-            signature[n] = pointer_types[n]
-        elif n in ("qk_scale", "score_sign", "lse_scale"):
-            signature[n] = "fp32"
-        else:
-            signature[n] = "i32"
-    # As the launcher specialises: 16-byte aligned pointers; strides that are multiples of 16.
+    # as the launcher specialises: strides that are multiples of 16
     div16 = {"stride_qt", "stride_qh", "stride_cp", "stride_xp", "stride_ot", "stride_oh"}
     if kv_format == "auto":
         div16 |= {"stride_cr", "stride_xr"}
+    return _compile(fn, constexprs, pointer_types, ("qk_scale", "score_sign", "lse_scale"), div16, {})
+
+
+def _compile(fn, constexprs: dict, pointer_types: dict, float_args, div16, options: dict):
+    """Compile a Gluon kernel for sm_90a as the launcher specialises it: ``constexprs``; pointers typed
+    by ``pointer_types`` and 16-byte aligned; the ``float_args`` float32; every other argument int32, those
+    in ``div16`` multiples of 16."""
+    from triton.experimental import gluon
+
+    names = fn.arg_names
+    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in float_args else "i32")
+                 for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if signature[n].startswith("*") or n in div16}
     src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
 
 
 def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages: int = gqa_hopper.NUM_STAGES):
     """The sparse-GQA kernel (``ops/sparse_gqa_hopper.py``) as the launcher specialises it: ``q_dtype``
     ``bf16`` (two query pieces) or ``fp16`` (three), device scales given, a contiguous query and output."""
-    from triton.experimental import gluon
-
     fn = gqa_hopper._sparse_gqa_decode_hopper_kernel
     constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NQ=2 if q_dtype == "bf16" else 3, NR=stages,
                       BLOCK_SEL=32, HAS_K_SCALE=True, HAS_V_SCALE=True, SPLIT=split,
@@ -80,15 +77,9 @@ def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages:
     pointer_types = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*fp8e4nv", "topk_ptr": "*i32", "bt_ptr": "*i32",
                      "kv_lens_ptr": "*i32", "qo_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
                      "out_ptr": f"*{q_dtype}", "ws_ptr": "*fp32"}
-    signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in ("qk_scale", "v_scale")
-                                                                          else "i32") for n in fn.arg_names}
     # as supported() requires: a 16-byte aligned cache whose page, head and row strides are multiples of 16
     div16 = {"stride_cp", "stride_ch", "stride_co", "stride_qt", "stride_qh", "stride_ot", "stride_oh"}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names)
-             if signature[n].startswith("*") or n in div16}
-    src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                          options={"num_warps": 4, "maxnreg": gqa_hopper._MAXNREG})
+    return _compile(fn, constexprs, pointer_types, ("qk_scale", "v_scale"), div16, {"maxnreg": gqa_hopper._MAXNREG})
 
 
 def barrier_aliases(ck) -> int | None:
