@@ -1,7 +1,7 @@
 """Hopper (sm_90) kernel of ``sparse_gqa_decode`` for float8 value caches, written in Gluon.
 
 The portable Triton kernel (``ops/sparse_gqa.py``) keeps one or two tiles in flight per program and
-converts both K and V to float16 before its tile products. This kernel keeps three blocks of keys in
+converts both K and V to float16 before its tile products. This kernel keeps up to four blocks of keys in
 flight per CTA, never converts K, and runs two softmax consumers per CTA:
 
 - **One CTA per (row, KV head, block of 16 query heads, split).** A block is 64 keys of one selected
@@ -12,11 +12,12 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
   - *producer* (4 warps): resolves the split's page list up front into a shared-memory table
     (physical page and visible key count of each selected page), then per block copies the 64 K rows
     and the 64 V rows (128 bytes each, ``cp.async`` with zero fill for keys the row may not see) into
-    a ring of ``NUM_STAGES`` raw stages, ``NUM_STAGES - 1`` blocks ahead, and hands each block over
-    when it has landed. It only copies.
+    a ring of ``NUM_STAGES`` raw stages, up to ``NUM_STAGES`` blocks ahead; each thread's
+    ``cp.async.mbarrier.arrive`` hands a block over once its copies have landed. It only copies.
   - *two consumers* (4 warps each) take alternate blocks, each with its own online softmax: per block
     ``S^T = K Q^T`` ``[64 keys, 16 heads]`` with float8 ``wgmma`` straight from the raw K stage, the
-    expansion of the block's V bytes to a float16 tile while that runs, the softmax down the key axis,
+    expansion of the block's V bytes to a float16 tile while that runs, the softmax down the key axis
+    (which keys the row may see comes from the producer's page table),
     ``P^T`` to shared memory and ``O^T += V^T P^T`` ``[128 dims, 16 heads]``; then the stage goes back
     to the producer. The second hands its state to the first, which merges and writes the result.
 
@@ -62,7 +63,7 @@ if HAS_GLUON:
 BLOCK_N = 64  # keys per block (one ring stage)
 BLOCK_H = 16  # query heads per CTA (larger groups take several head blocks)
 HEAD_DIM = 128
-NUM_STAGES = 4  # raw stages of the ring: NUM_STAGES - 1 blocks in flight
+NUM_STAGES = 4  # raw stages of the ring: up to NUM_STAGES blocks in flight
 # Registers per thread: the kernel's (two CTAs of 12 warps per SM) and the worker partitions' (the second
 # consumer, the producer; setmaxnreg), the first consumer (the default partition) gets the rest.
 _MAXNREG = 80
@@ -97,6 +98,23 @@ if HAS_GLUON:
     }
     """)
 
+    # Hand-offs between partitions. A partition barrier followed by one thread's ``mbarrier.arrive``
+    # orders every thread's shared-memory accesses before the waiting partition's (PTX's causality order
+    # is transitive through the barrier), which is all the hardware needs. compute-sanitizer's racecheck
+    # takes an arrive as ordering only the accesses of the thread that executes it, and reports such a
+    # hand-off as a race (docs/testing.md, "Under compute-sanitizer"). So every thread of the releasing
+    # partition arrives as well, with ``cp.async.mbarrier.arrive.noinc``: it triggers once the thread's
+    # own copies in flight are complete, and the callers have none in flight, so it arrives at once. An
+    # mbarrier released this way expects ``ARRIVALS`` arrivals (one partition of four warps).
+    ARRIVALS = gl.constexpr(1 + 128)
+
+    @gluon.jit
+    def _release(bar):
+        """Hand the partition's shared-memory work over to the partition waiting on ``bar``."""
+        _cta_barrier()
+        mbarrier.arrive(bar)
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
     @gluon.jit
     def _e4m3_to_f16_scaled(raw):
         return gl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [raw], dtype=gl.float16, is_pure=True,
@@ -120,18 +138,23 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
 
     @gluon.jit
+    def _block_keys(blk, j_lo, page_keys, CPB: gl.constexpr, KEYS: gl.constexpr):
+        """Which of block ``blk``'s ``_BN`` keys the row may see (layout ``KEYS``), from the page table."""
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        p_keys = gl.sum(page_keys.index(blk // CPB - j_lo).load(ONE), axis=0)
+        return (blk % CPB) * _BN + gl.arange(0, _BN, layout=KEYS) < p_keys
+
+    @gluon.jit
     def _issue_block(blk, stage, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, stride_co, g,
-                     kraw, vraw, valid_smem, CPB: gl.constexpr):
+                     kraw, vraw, CPB: gl.constexpr):
         """Start the copies of block ``blk`` (K rows, V rows) into raw stage ``stage``; keys the row may
-        not see copy nothing and read as zeros. Also stores the keys' validity. No commit."""
+        not see copy nothing and read as zeros."""
         CP: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
         ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         jj = blk // CPB - j_lo
         p_phys = gl.sum(page_phys.index(jj).load(ONE), axis=0).to(gl.int64)
-        p_keys = gl.sum(page_keys.index(jj).load(ONE), axis=0)
         o = (blk % CPB) * _BN + gl.arange(0, _BN, layout=gl.SliceLayout(1, CP))
-        valid = o < p_keys
-        valid_smem.index(stage).store(valid.to(gl.int8))
+        valid = _block_keys(blk, j_lo, page_keys, CPB, gl.SliceLayout(1, CP))
         rows = cache_ptr + p_phys * stride_cp + g * stride_ch + o.to(gl.int64) * stride_co
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, CP))
         ptrs = (rows[:, None] + cols[None, :]).to(gl.pointer_type(gl.uint8), bitcast=True)
@@ -146,7 +169,7 @@ if HAS_GLUON:
                   kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
                   num_pages, num_req, max_blocks, n_sel,
                   num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                  kraw, vraw, valid_smem, page_phys, page_keys, ready, kfree,
+                  kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
                   PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr):
         stride_cp = gl.cast(stride_cp, gl.int64)
         stride_ch = gl.cast(stride_ch, gl.int64)
@@ -178,25 +201,17 @@ if HAS_GLUON:
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         page_phys._reinterpret(gl.int32, [BLOCK_SEL], VL1).store(phys.to(gl.int32))
         page_keys._reinterpret(gl.int32, [BLOCK_SEL], VL1).store(n_keys.to(gl.int32))
-        _cta_barrier()
+        _release(pages_ready)  # the consumers read the keys per page too (no copy is in flight yet)
 
-        for k in gl.static_range(NR - 1):
-            if k < n:
-                _issue_block(blk_lo + k, k, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, stride_co, g,
-                             kraw, vraw, valid_smem, CPB)
-            async_copy.commit_group()
+        # Each thread arrives on a stage's `ready` barrier right after issuing its copies of the block:
+        # the arrival happens once those copies (and its earlier ones) have landed. The producer waits
+        # for nothing else, so up to NR blocks are in flight.
         for i in range(0, n):
-            async_copy.wait_group(NR - 2)  # block i has landed (this thread's copies)
-            _cta_barrier()  # every thread's copies of block i are done
-            mbarrier.arrive(ready.index(i % NR))
-            nxt = i + NR - 1
-            if nxt < n:
-                if i >= 1:
-                    # the stage of block i - 1: its consumer is done with its bytes and validity
-                    mbarrier.wait(kfree.index((i - 1) % NR), ((i - 1) // NR) & 1)
-                _issue_block(blk_lo + nxt, nxt % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch,
-                             stride_co, g, kraw, vraw, valid_smem, CPB)
-            async_copy.commit_group()
+            if i >= NR:
+                mbarrier.wait(kfree.index(i % NR), ((i - NR) // NR) & 1)  # block i - NR's consumer is done
+            _issue_block(blk_lo + i, i % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, stride_co,
+                         g, kraw, vraw, CPB)
+            async_copy.mbarrier_arrive(ready.index(i % NR), increment_count=False)
 
     # -------------------------------------------------------------------------------------------------
     # consumers
@@ -240,7 +255,7 @@ if HAS_GLUON:
                   ws_ptr, ws_rows,
                   num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                   qk_scale, v_scale,
-                  qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree, q_ready, merge_ready,
+                  qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready, kfree, q_ready, merge_ready,
                   CID: gl.constexpr,
                   CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
                   HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
@@ -253,10 +268,11 @@ if HAS_GLUON:
         n = blk_hi - blk_lo
         down = _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB, NQ, CID == 0)
         if CID == 0:
-            _cta_barrier()  # every warp's part of Q is stored (and fenced) before the first MMA
-            mbarrier.arrive(q_ready)
+            _release(q_ready)  # every warp's part of Q is stored (and fenced) before the first MMA
         else:
             mbarrier.wait(q_ready, 0)
+        mbarrier.wait(pages_ready, 0)
+        j_lo = blk_lo // CPB
 
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 32])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
@@ -290,7 +306,7 @@ if HAS_GLUON:
             # completed before the barrier that ended its last block)
             v_tile.store(_e4m3_to_f16_scaled(vraw.index(s).load(CP)))
             acc = warpgroup_mma_wait(0, deps=(acc,))
-            valid = valid_smem.index(s).load(KEYS) != 0
+            valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
 
             u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
             u = gl.where(valid[:, None], u, float("-inf"))
@@ -308,8 +324,7 @@ if HAS_GLUON:
             a = gl.convert_layout(alpha, HEADS_O)[None, :]
             o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
             o = warpgroup_mma_wait(0, deps=(o,))
-            _cta_barrier()  # every warp's MMA has read the V tile and P^T
-            mbarrier.arrive(kfree.index(s))  # the stage's K, V bytes and validity
+            _release(kfree.index(s))  # every warp's MMA has read the V tile and P^T: the stage is free
 
         m_o = gl.convert_layout(m_i, HEADS_O)
         l_o = gl.convert_layout(gl.sum(l_rows, axis=0), HEADS_O)
@@ -323,8 +338,7 @@ if HAS_GLUON:
             o_smem.store(o)
             ml.slice(0, HB).store(m_o)
             ml.slice(HB, HB).store(l_o)
-            _cta_barrier()
-            mbarrier.arrive(merge_ready)
+            _release(merge_ready)
         else:
             mbarrier.wait(merge_ready, 0)
             m1 = ml.slice(0, HB).load(HEADS_O)
@@ -387,7 +401,6 @@ if HAS_GLUON:
         kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)
         vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], RAW)
         vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
-        valid_smem = gl.allocate_shared_memory(gl.int8, [NR, _BN], VL1)
         page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)  # the split's pages (producer)
         page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
         pt_smem = gl.allocate_shared_memory(gl.float16, [2, _BN, HB], PL)
@@ -396,29 +409,31 @@ if HAS_GLUON:
         kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         merge_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        pages_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NR):
-            mbarrier.init(ready.index(s), count=1)  # the producer: K, V bytes and validity of a block
-            mbarrier.init(kfree.index(s), count=1)  # the block's consumer: done with the stage
-        mbarrier.init(q_ready, count=1)  # consumer 0: Q staged
-        mbarrier.init(merge_ready, count=1)  # consumer 1: its state handed over
+            mbarrier.init(ready.index(s), count=128)  # each producer thread, once its copies of a block landed
+            mbarrier.init(kfree.index(s), count=ARRIVALS)  # the block's consumer: done with the stage
+        mbarrier.init(q_ready, count=ARRIVALS)  # consumer 0: Q staged
+        mbarrier.init(merge_ready, count=ARRIVALS)  # consumer 1: its state handed over
+        mbarrier.init(pages_ready, count=ARRIVALS)  # the producer: the split's page table
         fence_async_shared()
         gl.warp_specialize(
             [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                           out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                           num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                          qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
-                          q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+                          qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready,
+                          kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
              (_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                           out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                           num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                          qk_scale, v_scale, qs, kraw, vraw, vh, valid_smem, pt_smem, ml_smem, ready, kfree,
-                          q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+                          qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready,
+                          kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
              (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
                           topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
                           bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
                           num_pages, num_req, max_blocks, n_sel,
                           num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                          kraw, vraw, valid_smem, page_phys, page_keys, ready, kfree,
+                          kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
                           PAGE_SIZE, CPB, NR, BLOCK_SEL))],
             [4, 4], WORKER_REGS)
 

@@ -1432,7 +1432,10 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
     """Without a GPU: the Hopper sparse-GQA kernel (split x query dtype) compiles for sm_90a with the ptxas
     shipped in the triton wheel (``scripts/inspect_hopper.py --gqa``), at 80 registers per thread and
     shared memory for two CTAs per SM, with float8 and float16 tensor-core products, (nearly) no
-    spills, and no shared-memory scratch buffer placed on an mbarrier."""
+    spills, no shared-memory scratch buffer placed on an mbarrier, and every hand-off between partitions
+    in the form compute-sanitizer's racecheck follows: each one-thread mbarrier arrive comes with every
+    thread's own arrive, and the producer's per-block ``ready`` arrive is every thread's
+    (docs/testing.md, "Under compute-sanitizer")."""
     import re
 
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -1453,6 +1456,23 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         assert spill_stores <= 64, row
         assert counts["HGMMA"] > 0 and counts["QGMMA"] > 0 and counts["SYNCS"] > 0, row
         assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier (docs/sparse_gqa.md)
+        arrive_one = int(re.search(r"arrive_one=(\d+)", row).group(1))
+        arrive_all = int(re.search(r"arrive_all=(\d+)", row).group(1))
+        assert arrive_one > 0 and arrive_all >= arrive_one + 1, row
+
+
+def test_racecheck_probe_builds_for_sm90():
+    """Without a GPU: every hand-off form of ``scripts/racecheck_probe.py`` (the probe of which hand-offs
+    compute-sanitizer's racecheck follows, docs/testing.md) compiles for sm_90a with the arrivals it is
+    meant to have."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from torch_sparse_mla.ops import sparse_gqa_hopper
+
+    if not sparse_gqa_hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    result = run_offline_compile("racecheck_probe.py", "--compile")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert result.stdout.count("arrives") == 18, result.stdout
 
 
 @pytest.mark.parametrize("tokens,n_sel,splits", [(64, 16, 1), (256, 16, 1), (16, 16, 4), (1, 16, 16), (4, 200, 16),
