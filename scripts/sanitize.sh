@@ -60,6 +60,8 @@ run_tool() {  # mode, marker expression, default targets...; pytest arguments on
     | tee -a "$log"
   local rc=${PIPESTATUS[0]}
   grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$log" | tail -n 3 | sed "s/^/$mode: /" | tee -a "$OUT/summary.txt"
+  # racecheck: which reports are Triton's warp_specialize start-up and which are on the kernels' buffers
+  [ "$tool" = racecheck ] && python3 "$REPO/scripts/racecheck_summary.py" "$log" | tee -a "$OUT/summary.txt"
   return "$rc"
 }
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import math
+import os
 import re
 
 import numpy as np
@@ -1473,6 +1474,64 @@ def test_racecheck_probe_builds_for_sm90():
     result = run_offline_compile("racecheck_probe.py", "--compile")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("arrives") == 18, result.stdout
+
+
+_RACECHECK_LOG = """\
+== racecheck: tests/test_x.py
+========= COMPUTE-SANITIZER
+========= Error: Race reported between Read access at _k+0x120 in k.py:3
+=========     and Write access at _k+0x4730 in k.py:3 [172 hazards]
+=========     and Write access at _k+0x8d80 in k.py:7 [269 hazards]
+========= 
+.========= Error: Race reported between Read access at _k+0x2410 in k.py:5
+=========     and Write access at _k+0xfca0 in k.py:4 [320 hazards]
+========= 
+..========= Error: Race reported between Read access at _k+0x2400 in k.py:5
+=========     and Write access at _k+0xfc00 in k.py:4 [8 hazards]
+========= 
+.========= Warning: Race reported between Write access at _k+0x100 in k.py:4
+=========     and Write access at _k+0x200 in gone.py:9 [2 hazards]
+========= 
+2 passed
+========= RACECHECK SUMMARY: 4 hazards displayed (3 errors, 1 warning)
+"""
+_RACECHECK_SOURCE = """\
+@gluon.jit
+def _helper(x):
+    def _k(a, b):
+        buf.store(a)
+        b = buf.load(L)
+        pass
+        gl.warp_specialize([(_p, (a,)), (_c, (b,))], [4], [80])
+"""
+
+
+def test_racecheck_summary_separates_the_warp_specialize_start_up(tmp_path):
+    """``scripts/racecheck_summary.py`` (run by ``scripts/sanitize.sh racecheck``) groups a racecheck log's
+    reports by kernel and source lines, names as Triton's start-up only reports whose every access is on
+    the kernel's ``def`` line or a ``warp_specialize(`` call, quotes the source of the others, and counts
+    a report whose source it cannot find as one on the kernel's buffers."""
+    import importlib.util
+
+    from common import REPO
+
+    spec = importlib.util.spec_from_file_location("racecheck_summary",
+                                                  os.path.join(REPO, "scripts", "racecheck_summary.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    (tmp_path / "k.py").write_text(_RACECHECK_SOURCE)
+    records = mod.parse(_RACECHECK_LOG)
+    assert [r["hazards"] for r in records] == [441, 320, 8, 2]
+    assert records[0]["accesses"] == [("Read", "k.py", 3), ("Write", "k.py", 3), ("Write", "k.py", 7)]
+    lines = mod.summarize(_RACECHECK_LOG, [str(tmp_path)])
+    assert lines[-1] == ("racecheck reports: 4; Triton's warp_specialize start-up: 1; "
+                         "on the kernels' own buffers: 3")
+    start_up = [line for line in lines if "start-up:" in line and "report(s)" in line]
+    assert len(start_up) == 1 and "1 report(s), 441 hazards" in start_up[0], lines
+    buffers = [line for line in lines if "kernel buffers" in line]
+    assert any("2 report(s), 328 hazards" in line and "(b = buf.load(L))" in line and "(buf.store(a))" in line
+               for line in buffers), lines
+    assert any("gone.py:9" in line for line in buffers), lines
 
 
 @pytest.mark.parametrize("tokens,n_sel,splits", [(64, 16, 1), (256, 16, 1), (16, 16, 4), (1, 16, 16), (4, 200, 16),
