@@ -150,10 +150,11 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     ldg128 = len(re.findall(r"LDG\.E\.128", sass))
     setmax = sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     maxnreg = re.findall(r"maxnreg (\d+)", ptx)
-    # mbarrier arrivals in the PTX: one thread's (Gluon's mbarrier.arrive) and every thread's own
-    # (cp.async.mbarrier.arrive.noinc, the form compute-sanitizer's racecheck follows; docs/testing.md)
-    arrive_one = len(re.findall(r"^\s*@%p\d+ mbarrier\.arrive\.", ptx, re.M))
-    arrive_all = len(re.findall(r"^\s*cp\.async\.mbarrier\.arrive\.noinc\.", ptx, re.M))
+    # mbarrier arrivals: one thread's and every thread's own (the form compute-sanitizer's racecheck
+    # follows; docs/testing.md)
+    from racecheck_probe import arrivals  # scripts/, this script's directory
+
+    arrive_one, arrive_all = arrivals(ptx)
     line = (f"{label:44s} maxnreg={maxnreg} setmaxnreg={setmax} "
             f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
             f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items())

@@ -94,12 +94,20 @@ def _probe_kernel(src_ptr, out_ptr, DATA: gl.constexpr, PROD: gl.constexpr, FREE
 FORMS = [(d, p, f) for d in range(3) for p, f in ((0, 0), (1, 1), (2, 2))]
 
 
+def arrivals(ptx: str) -> tuple[int, int]:
+    """mbarrier arrivals in PTX: one thread's (Gluon's ``mbarrier.arrive``, predicated on the thread
+    index) and every thread's own (``cp.async.mbarrier.arrive.noinc``)."""
+    import re
+
+    one = len(re.findall(r"^\s*@%p\d+ mbarrier\.arrive\.", ptx, re.M))
+    every = len(re.findall(r"^\s*cp\.async\.mbarrier\.arrive\.noinc\.", ptx, re.M))
+    return one, every
+
+
 def compile_forms() -> int:
     """Compile every form for sm_90a (no GPU needed) and check the PTX's arrivals: a one-thread
     ``mbarrier.arrive`` exactly in forms 0 and 2, every thread's ``cp.async.mbarrier.arrive.noinc``
     exactly in forms 1 and 2."""
-    import re
-
     import triton
     from triton.backends.compiler import GPUTarget
 
@@ -111,8 +119,7 @@ def compile_forms() -> int:
             constexprs={"DATA": data, "PROD": prod, "FREE": free, "ROUNDS": 8},
             attrs={(0,): [["tt.divisibility", 16]], (1,): [["tt.divisibility", 16]]})
         ptx = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4}).asm["ptx"]
-        one = len(re.findall(r"^\s*@%p\d+ mbarrier\.arrive\.", ptx, re.M))
-        every = len(re.findall(r"^\s*cp\.async\.mbarrier\.arrive\.noinc\.", ptx, re.M))
+        one, every = arrivals(ptx)
         ok = (one > 0) == (prod != 1) and (every > 0) == (prod != 0)
         bad += not ok
         print(f"DATA={data} PROD={prod} FREE={free}: one-thread arrives {one}, per-thread arrives {every}"
