@@ -27,7 +27,7 @@ from expecttest import assert_expected_inline
 
 from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
-from common import (compile_counter, poison, records_split_launches, requires_cuda, requires_hopper,
+from common import (REPO, compile_counter, poison, records_split_launches, requires_cuda, requires_hopper,
                     requires_interpreter, run_offline_compile)
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
@@ -1512,8 +1512,6 @@ def test_racecheck_summary_separates_the_warp_specialize_start_up(tmp_path):
     the kernel's ``def`` line or a ``warp_specialize(`` call, quotes the source of the others, and counts
     a report whose source it cannot find as one on the kernel's buffers."""
     import importlib.util
-
-    from common import REPO
 
     spec = importlib.util.spec_from_file_location("racecheck_summary",
                                                   os.path.join(REPO, "scripts", "racecheck_summary.py"))
