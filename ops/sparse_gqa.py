@@ -885,7 +885,8 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
     :func:`sparse_gqa_decode_torch`; ``num_splits`` and ``config`` (``LaunchPlan`` fields) override
     the heuristic (tests use them to cover every path with small grids). ``path`` picks the kernel:
     ``"hopper"`` (``ops/sparse_gqa_hopper.py``, the default wherever :func:`sparse_gqa_hopper.supported`
-    holds: float8 value caches on sm_90) or ``"portable"`` (the Triton kernel above, every other case).
+    holds: float8 value caches and NVFP4 caches on sm_90) or ``"portable"`` (the Triton kernel above,
+    every other case).
     """
     if out.numel() == 0:
         return
@@ -900,11 +901,12 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
     entry = _PLANS.get(key)
     if entry is None:
         use_hopper = path != "portable" and hopper.supported(q, kv_cache)
+        nvfp4 = is_nvfp4(kv_cache)
         if path == "hopper" and not use_hopper:
             raise ValueError("path: the Hopper kernel does not serve these arguments (see "
                              "ops/sparse_gqa_hopper.py::supported)")
         if use_hopper:
-            num_kv_heads, page_size = kv_cache.shape[1], kv_cache.shape[2]
+            num_kv_heads, page_size = kv_cache.shape[1] // (2 if nvfp4 else 1), kv_cache.shape[2]
             plan = hopper.plan_launch(q.shape[0], num_kv_heads, q.shape[1] // num_kv_heads, topk_pages.shape[2],
                                       page_size, multiprocessor_count(q.device), num_splits).with_overrides(config)
             main = hopper.make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,

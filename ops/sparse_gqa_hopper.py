@@ -145,6 +145,13 @@ if HAS_GLUON:
         return (blk % CPB) * _BN + gl.arange(0, _BN, layout=KEYS) < p_keys
 
     @gluon.jit
+    def _block_limit(blk, j_lo, page_keys, CPB: gl.constexpr):
+        """How many of block ``blk``'s ``_BN`` keys (a prefix) the row may see."""
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        p_keys = gl.sum(page_keys.index(blk // CPB - j_lo).load(ONE), axis=0)
+        return gl.minimum(gl.maximum(p_keys - (blk % CPB) * _BN, 0), _BN)
+
+    @gluon.jit
     def _issue_block(blk, stage, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, stride_co, g,
                      kraw, vraw, CPB: gl.constexpr):
         """Start the copies of block ``blk`` (K rows, V rows) into raw stage ``stage``; keys the row may
@@ -163,20 +170,12 @@ if HAS_GLUON:
         async_copy.async_copy_global_to_shared(vraw.index(stage), ptrs + 128, mask=vmask)
 
     @gluon.jit
-    def _producer(cache_ptr, stride_cp, stride_ch, stride_co,
-                  topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                  bt_ptr, stride_bt_r, stride_bt_c,
-                  kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                  num_pages, num_req, max_blocks, n_sel,
-                  num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                  kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
-                  PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr):
-        stride_cp = gl.cast(stride_cp, gl.int64)
-        stride_ch = gl.cast(stride_ch, gl.int64)
-        stride_co = gl.cast(stride_co, gl.int64)
-        t, g, hb, split, blk_lo, blk_hi = _cta_range(gl.program_id(0), num_kv_heads, num_head_blocks, num_splits,
-                                                     blocks_per_split, n_sel * CPB)
-        n = blk_hi - blk_lo
+    def _page_table(t, g, blk_lo, blk_hi, topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                    bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                    num_pages, num_req, max_blocks, n_sel, decode_query_len, page_phys, page_keys,
+                    PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, BLOCK_SEL: gl.constexpr):
+        """Store the split's page table (physical page, visible keys of each selected page) in shared
+        memory; returns the split's first page index ``j_lo``."""
         req = t // decode_query_len
         kv_len = gl.load(kv_lens_ptr + t * stride_kvl).to(gl.int64)
         qo = gl.load(qo_ptr + t * stride_qo).to(gl.int64)
@@ -201,6 +200,27 @@ if HAS_GLUON:
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
         page_phys._reinterpret(gl.int32, [BLOCK_SEL], VL1).store(phys.to(gl.int32))
         page_keys._reinterpret(gl.int32, [BLOCK_SEL], VL1).store(n_keys.to(gl.int32))
+        return j_lo
+
+    @gluon.jit
+    def _producer(cache_ptr, stride_cp, stride_ch, stride_co,
+                  topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                  bt_ptr, stride_bt_r, stride_bt_c,
+                  kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                  num_pages, num_req, max_blocks, n_sel,
+                  num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                  kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
+                  PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr):
+        stride_cp = gl.cast(stride_cp, gl.int64)
+        stride_ch = gl.cast(stride_ch, gl.int64)
+        stride_co = gl.cast(stride_co, gl.int64)
+        t, g, hb, split, blk_lo, blk_hi = _cta_range(gl.program_id(0), num_kv_heads, num_head_blocks, num_splits,
+                                                     blocks_per_split, n_sel * CPB)
+        n = blk_hi - blk_lo
+        j_lo = _page_table(t, g, blk_lo, blk_hi, topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                           bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                           num_pages, num_req, max_blocks, n_sel, decode_query_len, page_phys, page_keys,
+                           PAGE_SIZE, CPB, BLOCK_SEL)
         _release(pages_ready)  # the consumers read the keys per page too (no copy is in flight yet)
 
         # Each thread arrives on a stage's `ready` barrier right after issuing its copies of the block:
@@ -247,6 +267,60 @@ if HAS_GLUON:
                 qs.index(2).store(r.to(gl.float8e4nv))
             fence_async_shared()
         return down
+
+    @gluon.jit
+    def _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
+                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
+                         v_mult: gl.constexpr, CID: gl.constexpr, HB: gl.constexpr, HAS_V_SCALE: gl.constexpr,
+                         SPLIT: gl.constexpr):
+        """The end of consumer ``CID``: the second hands its state ``(m, l, O^T)`` to the first, which
+        merges it into its own and writes the output (or the split's partials); the V tiles held the
+        values divided by ``v_mult``."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
+        m_o = gl.convert_layout(m_i, HEADS_O)
+        l_o = gl.convert_layout(gl.sum(l_rows, axis=0), HEADS_O)
+        heads = hb * HB + gl.arange(0, HB, layout=HEADS_O)
+        # consumer 1 hands (m, l, O^T) over through shared memory (O^T in its V tile, now unused)
+        o_smem = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        ml = ml_smem._reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[0]))
+        if CID == 1:
+            o_smem.store(o)
+            ml.slice(0, HB).store(m_o)
+            ml.slice(HB, HB).store(l_o)
+            _release(merge_ready)
+        else:
+            mbarrier.wait(merge_ready, 0)
+            m1 = ml.slice(0, HB).load(HEADS_O)
+            l1 = ml.slice(HB, HB).load(HEADS_O)
+            m_all = gl.maximum(m_o, m1)
+            m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
+            a0 = gl.exp2(m_o - m_safe)
+            a1 = gl.exp2(m1 - m_safe)
+            l_o = l_o * a0 + l1 * a1
+            o = o * a0[None, :] + o_smem.load(O_L) * a1[None, :]
+            m_o = m_all
+        if CID == 0:
+            # Epilogue: O^T [128 dims, HB]; the V tiles held v / v_mult.
+            head_ok = heads < group
+            h = (g * group + heads).to(gl.int64)
+            dims = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L)).to(gl.int64)
+            o = o * v_mult
+            if SPLIT:
+                ws_rows = gl.cast(ws_rows, gl.int64)
+                row = (t * num_kv_heads * group + h) * num_splits + split
+                gl.store(ws_ptr + row, m_o, mask=head_ok)
+                gl.store(ws_ptr + ws_rows + row, l_o, mask=head_ok)
+                gl.store(ws_ptr + 2 * ws_rows + row[None, :] * 128 + dims[:, None], o, mask=head_ok[None, :])
+            else:
+                vf = gl.full([HB], 1.0, gl.float32, layout=HEADS_O) * v_scale
+                if HAS_V_SCALE:
+                    vf = gl.minimum(gl.maximum(vf * gl.load(v_scale_ptr), -_FLT_MAX), _FLT_MAX)
+                factor = vf / gl.where(l_o > 0, l_o, 1.0)  # no key: the accumulator is 0, the output 0
+                ptrs = (out_ptr + t * stride_ot + h[None, :] * stride_oh + dims[:, None] * stride_od)
+                gl.store(ptrs, (o * factor[None, :]).to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
 
     @gluon.jit
     def _consumer(q_ptr, stride_qt, stride_qh, stride_qd,
@@ -326,49 +400,9 @@ if HAS_GLUON:
             o = warpgroup_mma_wait(0, deps=(o,))
             _release(kfree.index(s))  # every warp's MMA has read the V tile and P^T: the stage is free
 
-        m_o = gl.convert_layout(m_i, HEADS_O)
-        l_o = gl.convert_layout(gl.sum(l_rows, axis=0), HEADS_O)
-        heads = hb * HB + gl.arange(0, HB, layout=HEADS_O)
-        # consumer 1 hands (m, l, O^T) over through shared memory (O^T in its V tile, now unused)
-        o_smem = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
-            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
-        ml = ml_smem._reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
-            vec=1, per_phase=1, max_phase=1, order=[0]))
-        if CID == 1:
-            o_smem.store(o)
-            ml.slice(0, HB).store(m_o)
-            ml.slice(HB, HB).store(l_o)
-            _release(merge_ready)
-        else:
-            mbarrier.wait(merge_ready, 0)
-            m1 = ml.slice(0, HB).load(HEADS_O)
-            l1 = ml.slice(HB, HB).load(HEADS_O)
-            m_all = gl.maximum(m_o, m1)
-            m_safe = gl.where(m_all == float("-inf"), 0.0, m_all)
-            a0 = gl.exp2(m_o - m_safe)
-            a1 = gl.exp2(m1 - m_safe)
-            l_o = l_o * a0 + l1 * a1
-            o = o * a0[None, :] + o_smem.load(O_L) * a1[None, :]
-            m_o = m_all
-        if CID == 0:
-            # Epilogue: O^T [128 dims, HB]; the V tiles held v * 2**-8.
-            head_ok = heads < group
-            h = (g * group + heads).to(gl.int64)
-            dims = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L)).to(gl.int64)
-            o = o * 256.0
-            if SPLIT:
-                ws_rows = gl.cast(ws_rows, gl.int64)
-                row = (t * num_kv_heads * group + h) * num_splits + split
-                gl.store(ws_ptr + row, m_o, mask=head_ok)
-                gl.store(ws_ptr + ws_rows + row, l_o, mask=head_ok)
-                gl.store(ws_ptr + 2 * ws_rows + row[None, :] * 128 + dims[:, None], o, mask=head_ok[None, :])
-            else:
-                vf = gl.full([HB], 1.0, gl.float32, layout=HEADS_O) * v_scale
-                if HAS_V_SCALE:
-                    vf = gl.minimum(gl.maximum(vf * gl.load(v_scale_ptr), -_FLT_MAX), _FLT_MAX)
-                factor = vf / gl.where(l_o > 0, l_o, 1.0)  # no key: the accumulator is 0, the output 0
-                ptrs = (out_ptr + t * stride_ot + h[None, :] * stride_oh + dims[:, None] * stride_od)
-                gl.store(ptrs, (o * factor[None, :]).to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
+        _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
+                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
+                         256.0, CID, HB, HAS_V_SCALE, SPLIT)
 
     # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
     # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
@@ -438,6 +472,307 @@ if HAS_GLUON:
             [4, 4], WORKER_REGS)
 
 
+    # -------------------------------------------------------------------------------------------------
+    # NVFP4 caches (docs/sparse_gqa.md, "NVFP4 on the same structure")
+    # -------------------------------------------------------------------------------------------------
+    # Four data bytes (value 2i is the low nibble of byte i, 2i + 1 its high nibble) and each byte's
+    # E4M3 group scale -> per byte the float16 of (low value) * scale * 2**-7 and of (high value) *
+    # scale * 2**-7, exactly: the float16 high byte of |code| * 2**-7 comes from a byte table (prmt with
+    # the 3-bit magnitudes as selector), its sign from a second table (the sign bits as selector), the
+    # low byte is 0, and the product with the scale is a float16 (docs: at most 6 significant bits,
+    # inside float16's exact range). Results: the low-nibble values, then the high-nibble values.
+    _FP4X8_TO_F16 = gl.constexpr("""
+    {
+    .reg .b32 m, s, mh, sh, h0, h1, g0, g1, ta, tb, sa, z, c01, c23;
+    .reg .b16 s01, s23;
+    mov.b32 ta, 0x22201C00;
+    mov.b32 tb, 0x2A282624;
+    mov.b32 sa, 0x00008000;
+    mov.b32 z, 0;
+    and.b32 m, $4, 0x77777777;
+    shr.b32 s, $4, 3;
+    and.b32 s, s, 0x11111111;
+    shr.b32 mh, m, 16;
+    shr.b32 sh, s, 16;
+    prmt.b32 h0, ta, tb, m;
+    prmt.b32 h1, ta, tb, mh;
+    prmt.b32 g0, sa, z, s;
+    prmt.b32 g1, sa, z, sh;
+    or.b32 h0, h0, g0;
+    or.b32 h1, h1, g1;
+    mov.b32 {s01, s23}, $5;
+    cvt.rn.f16x2.e4m3x2 c01, s01;
+    cvt.rn.f16x2.e4m3x2 c23, s23;
+    prmt.b32 $0, h0, z, 0x2404;
+    prmt.b32 $1, h1, z, 0x2404;
+    prmt.b32 $2, h0, z, 0x3414;
+    prmt.b32 $3, h1, z, 0x3414;
+    mul.rn.f16x2 $0, $0, c01;
+    mul.rn.f16x2 $1, $1, c23;
+    mul.rn.f16x2 $2, $2, c01;
+    mul.rn.f16x2 $3, $3, c23;
+    }
+    """)
+
+    @gluon.jit
+    def _fp4_expand(data, scale):
+        """float16 ``[..., 2 * n]`` of E2M1 bytes ``data [..., n]`` times their E4M3 ``scale`` (same
+        shape) times ``2**-7``, in value order."""
+        lo, hi = gl.inline_asm_elementwise(_FP4X8_TO_F16, "=r,=r,=r,=r,r,r", [data, scale],
+                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
+        return gl.join(lo, hi)
+
+    @gluon.jit
+    def _nv_issue_block(blk, stage, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, g,
+                        kdat, vdat, ksc, vsc, PAGE_SIZE: gl.constexpr, CPB: gl.constexpr):
+        """Start the copies of block ``blk`` into stage ``stage``: the 64 keys' K and V data rows (64
+        bytes each) and their K and V scale bytes (512 each, contiguous for a block). Only keys the row
+        may see are copied, in pairs (K scales) and quads (V scales) led by such a key; the rest read as
+        zeros. No commit."""
+        DL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [64 keys, 64 bytes]
+        SCL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])  # [32 chunks, 16 bytes]
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        jj = blk // CPB - j_lo
+        p_phys = gl.sum(page_phys.index(jj).load(ONE), axis=0).to(gl.int64)
+        p_keys = gl.sum(page_keys.index(jj).load(ONE), axis=0)
+        o0 = (blk % CPB) * _BN
+        kslot = cache_ptr + p_phys * stride_cp + (2 * g) * stride_ch
+        vslot = kslot + stride_ch
+        o = o0 + gl.arange(0, _BN, layout=gl.SliceLayout(1, DL))
+        cols = gl.arange(0, 64, layout=gl.SliceLayout(0, DL))
+        rows_ok = (o < p_keys)[:, None]
+        offs = (o.to(gl.int64) * 64)[:, None] + cols[None, :]
+        async_copy.async_copy_global_to_shared(kdat.index(stage), kslot + offs, mask=rows_ok)
+        async_copy.async_copy_global_to_shared(vdat.index(stage), vslot + offs, mask=rows_ok)
+        c = gl.arange(0, 32, layout=gl.SliceLayout(1, SCL))
+        b = gl.arange(0, 16, layout=gl.SliceLayout(0, SCL))
+        base = PAGE_SIZE * 64 + o0 * 8  # K: 8 bytes per key; V: 32 bytes per quad of keys, the same total
+        soffs = (base + c * 16)[:, None] + b[None, :]
+        async_copy.async_copy_global_to_shared(ksc.index(stage), kslot + soffs, mask=(o0 + 2 * c < p_keys)[:, None])
+        async_copy.async_copy_global_to_shared(vsc.index(stage), vslot + soffs,
+                                               mask=(o0 + 4 * (c // 2) < p_keys)[:, None])
+
+    @gluon.jit
+    def _nv_producer(cache_ptr, stride_cp, stride_ch,
+                     topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                     bt_ptr, stride_bt_r, stride_bt_c,
+                     kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                     num_pages, num_req, max_blocks, n_sel,
+                     num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                     kdat, vdat, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
+                     PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr):
+        """As ``_producer``, for an NVFP4 cache (``stride_ch``: the slot stride, K slot ``2 g``)."""
+        stride_cp = gl.cast(stride_cp, gl.int64)
+        stride_ch = gl.cast(stride_ch, gl.int64)
+        t, g, hb, split, blk_lo, blk_hi = _cta_range(gl.program_id(0), num_kv_heads, num_head_blocks, num_splits,
+                                                     blocks_per_split, n_sel * CPB)
+        n = blk_hi - blk_lo
+        j_lo = _page_table(t, g, blk_lo, blk_hi, topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                           bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                           num_pages, num_req, max_blocks, n_sel, decode_query_len, page_phys, page_keys,
+                           PAGE_SIZE, CPB, BLOCK_SEL)
+        _release(pages_ready)
+        for i in range(0, n):
+            if i >= NR:
+                mbarrier.wait(kfree.index(i % NR), ((i - NR) // NR) & 1)
+            _nv_issue_block(blk_lo + i, i % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, g,
+                            kdat, vdat, ksc, vsc, PAGE_SIZE, CPB)
+            async_copy.mbarrier_arrive(ready.index(i % NR), increment_count=False)
+
+    @gluon.jit
+    def _nv_load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB: gl.constexpr,
+                   STORE: gl.constexpr):
+        """This CTA's ``HB`` query rows scaled by a power of two per row (largest magnitude in
+        ``[2**14, 2**15)``), as float16 into ``qs`` with ``STORE``. Returns the inverse powers of two."""
+        QL: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        i = hb * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, QL))
+        ok = i < group
+        h = (g * group + i).to(gl.int64)
+        d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL)).to(gl.int64)
+        x = gl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd, mask=ok[:, None],
+                    other=0.0).to(gl.float32)
+        amax = gl.max(gl.abs(x), axis=1)
+        e = (amax.to(gl.int32, bitcast=True) >> 23) & 0xFF
+        k = gl.minimum(141 - e, 64)  # amax * 2**k in [2**14, 2**15) for a normal amax
+        up = ((127 + k) << 23).to(gl.float32, bitcast=True)
+        down = ((127 - k) << 23).to(gl.float32, bitcast=True)
+        if STORE:
+            qs.store((x * up[:, None]).to(gl.float16))
+            fence_async_shared()
+        return down
+
+    @gluon.jit
+    def _nv_tile(dat, sc, stage, limit, tile, MASK: gl.constexpr):
+        """Expand stage ``stage`` of a data ring ``dat`` [NR, 64 keys, 64 bytes] with its scales ``sc``
+        (a [64 keys, 8 groups] view) into the float16 ``tile`` [64, 128] (values times ``2**-7``), 32 keys
+        at a time; with ``MASK`` the scales of the block's keys from ``limit`` on are zeroed (their values
+        become exact zeros)."""
+        L3: gl.constexpr = gl.BlockedLayout([1, 2, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])  # [32, 8 groups, 8 B]
+        RAW3: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
+        raw = dat.index(stage)._reinterpret(gl.uint8, [_BN, 8, 8], RAW3)
+        for half in gl.static_range(2):
+            data = raw.slice(half * 32, 32, dim=0).load(L3)
+            scale = sc.slice(half * 32, 32, dim=0).load(gl.SliceLayout(2, L3))
+            if MASK:
+                keys = half * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+                scale = gl.where((keys < limit)[:, None], scale, gl.zeros_like(scale))
+            scale = gl.broadcast(gl.expand_dims(scale, 2), data)[0]
+            vals = _fp4_expand(data, scale)  # [32, 8, 8, 2]
+            tile.slice(half * 32, 32, dim=0).store(gl.reshape(vals, [32, 128]))
+
+    @gluon.jit
+    def _nv_consumer(q_ptr, stride_qt, stride_qh, stride_qd,
+                     k_scale_ptr, v_scale_ptr,
+                     out_ptr, stride_ot, stride_oh, stride_od,
+                     ws_ptr, ws_rows,
+                     num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                     qk_scale, v_scale,
+                     qs, kdat, vdat, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys, pages_ready, ready, kfree,
+                     q_ready, merge_ready,
+                     CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr,
+                     HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
+        """As ``_consumer``, for an NVFP4 cache: per block it expands K and V into its own float16 tiles
+        (values times ``2**-7``), frees the raw stage, and runs ``S^T = K Q^T`` (float16 ``wgmma``) and
+        ``O^T += V^T P^T``."""
+        pid = gl.program_id(0)
+        t, g, hb, split, blk_lo, blk_hi = _cta_range(pid, num_kv_heads, num_head_blocks, num_splits,
+                                                     blocks_per_split, n_sel * CPB)
+        n = blk_hi - blk_lo
+        down = _nv_load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB, CID == 0)
+        if CID == 0:
+            _release(q_ready)
+        else:
+            mbarrier.wait(q_ready, 0)
+        mbarrier.wait(pages_ready, 0)
+        j_lo = blk_lo // CPB
+
+        S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
+        HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
+        HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
+        SC1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+
+        # Per-head score factor (base 2): the float scales, the device K scale, the query's power of
+        # two, and 2**7 for the expanded K.
+        qk = gl.convert_layout(down, HEADS) * (qk_scale * 128.0)
+        if HAS_K_SCALE:
+            qk = qk * gl.load(k_scale_ptr)
+        qk = gl.minimum(gl.maximum(qk, -_FLT_MAX), _FLT_MAX)
+
+        zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)
+        o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
+        m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
+        l_rows = gl.zeros([_BN, HB], gl.float32, layout=S_L)
+        k_tile = kh.index(CID)
+        v_tile = vh.index(CID)
+        pt = pt_smem.index(CID)
+        for i in range(CID, n, 2):
+            s = i % NR
+            mbarrier.wait(ready.index(s), (i // NR) & 1)
+            valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
+            limit = _block_limit(blk_lo + i, j_lo, page_keys, CPB)
+            # K scales: [64 keys, 8 groups], linear; V scales: token-quad order [16 quads, 8 groups, 4].
+            k_sc = ksc.index(s)._reinterpret(gl.uint8, [_BN, 8], SC1)
+            v_sc = vsc.index(s)._reinterpret(gl.uint8, [16, 8, 4], SC3).permute((0, 2, 1)).reshape([_BN, 8])
+            _nv_tile(kdat, k_sc, s, limit, k_tile, False)
+            fence_async_shared()
+            _cta_barrier()  # every warp's part of the K tile is stored before the MMA reads it
+            acc = warpgroup_mma(k_tile, qs.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            _nv_tile(vdat, v_sc, s, limit, v_tile, True)  # while the MMA runs
+            _release(kfree.index(s))  # the raw stage is expanded: back to the producer
+            acc = warpgroup_mma_wait(0, deps=(acc,))
+
+            u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)
+            u = gl.where(valid[:, None], u, float("-inf"))
+            m_new = gl.maximum(m_i, gl.max(u, axis=0))
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(u - m_safe[None, :])
+            l_rows = l_rows * alpha[None, :] + p
+            m_i = m_new
+            pt.store(p.to(gl.float16))
+            fence_async_shared()
+            _cta_barrier()  # every warp's part of P^T and of the V tile is stored before any warp's MMA reads them
+            a = gl.convert_layout(alpha, HEADS_O)[None, :]
+            o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o,))
+            _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
+
+        _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
+                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
+                         128.0, CID, HB, HAS_V_SCALE, SPLIT)
+
+    @gluon.jit(do_not_specialize=("n_sel", "blocks_per_split", "num_splits"))
+    def _sparse_gqa_decode_hopper_nvfp4_kernel(
+        q_ptr, stride_qt, stride_qh, stride_qd,  # [T, Hq, 128] bf16 / fp16
+        cache_ptr, stride_cp, stride_ch, stride_co,  # the NVFP4 cache [pages, 2 Hkv, page_size, 72] (bytes)
+        topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+        bt_ptr, stride_bt_r, stride_bt_c,
+        kv_lens_ptr, stride_kvl,
+        qo_ptr, stride_qo,
+        k_scale_ptr, v_scale_ptr,
+        out_ptr, stride_ot, stride_oh, stride_od,
+        ws_ptr, ws_rows,
+        num_kv_heads, group, num_head_blocks,
+        num_pages, num_req, max_blocks, n_sel,
+        blocks_per_split, num_splits, decode_query_len,
+        qk_scale, v_scale,
+        PAGE_SIZE: gl.constexpr, HB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
+        HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr, WORKER_REGS: gl.constexpr,
+    ):
+        CPB: gl.constexpr = (PAGE_SIZE + _BN - 1) // _BN
+        VL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
+        QL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
+        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
+        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
+        qs = gl.allocate_shared_memory(gl.float16, [HB, 128], QL)
+        kdat = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 64], RAW)
+        vdat = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 64], RAW)
+        ksc = gl.allocate_shared_memory(gl.uint8, [NR, 32, 16], RAW)
+        vsc = gl.allocate_shared_memory(gl.uint8, [NR, 32, 16], RAW)
+        kh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # each consumer's K tile
+        vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # each consumer's V tile
+        page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
+        page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
+        pt_smem = gl.allocate_shared_memory(gl.float16, [2, _BN, HB], PL)
+        ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)
+        ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
+        kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        merge_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        pages_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(NR):
+            mbarrier.init(ready.index(s), count=128)
+            mbarrier.init(kfree.index(s), count=ARRIVALS)
+        mbarrier.init(q_ready, count=ARRIVALS)
+        mbarrier.init(merge_ready, count=ARRIVALS)
+        mbarrier.init(pages_ready, count=ARRIVALS)
+        fence_async_shared()
+        gl.warp_specialize(
+            [(_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                             out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                             num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                             qk_scale, v_scale, qs, kdat, vdat, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
+                             pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, HAS_K_SCALE,
+                             HAS_V_SCALE, SPLIT)),
+             (_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                             out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                             num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                             qk_scale, v_scale, qs, kdat, vdat, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
+                             pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, HAS_K_SCALE,
+                             HAS_V_SCALE, SPLIT)),
+             (_nv_producer, (cache_ptr, stride_cp, stride_ch,
+                             topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                             bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                             num_pages, num_req, max_blocks, n_sel,
+                             num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                             kdat, vdat, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
+                             PAGE_SIZE, CPB, NR, BLOCK_SEL))],
+            [4, 4], WORKER_REGS)
+
 # =====================================================================================================
 # host side
 # =====================================================================================================
@@ -445,12 +780,18 @@ if HAS_GLUON:
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the Hopper kernel serves this call (else the portable kernel does): shapes, strides,
-    dtypes and the cache's base address only."""
-    if not HAS_GLUON or q.device.type != "cuda" or kv_cache.dtype != torch.float8_e4m3fn:
+    dtypes and the cache's base address only. A float8 value cache needs its page, head and row strides
+    in multiples of 16 bytes; an NVFP4 cache (uint8, ``[pages, 2 Hkv, page_size, 72]``, its slots
+    ``page_size * 72`` bytes apart by the format) its page stride; both a 16-byte aligned base."""
+    if not HAS_GLUON or q.device.type != "cuda" or kv_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
         return False
-    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM:
+    if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM or kv_cache.data_ptr() % 16:
         return False
-    if any(s % 16 for s in kv_cache.stride()[:3]) or kv_cache.data_ptr() % 16:
+    if kv_cache.dtype == torch.uint8:
+        page_size = kv_cache.shape[2]
+        if kv_cache.stride(0) % 16 or kv_cache.stride()[1:] != (page_size * 72, 72, 1) or page_size % 4:
+            return False
+    elif any(s % 16 for s in kv_cache.stride()[:3]):
         return False
     return _is_sm90(q.device)
 
@@ -488,6 +829,9 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
                          f"num_stages >= 2, not {plan.block_h}, {plan.block_n}, {plan.num_stages}")
     num_tokens, num_q_heads, _ = q.shape
     num_pages, num_kv_heads, page_size = kv_cache.shape[:3]
+    nvfp4 = kv_cache.dtype == torch.uint8
+    if nvfp4:
+        num_kv_heads //= 2
     n_sel = topk_pages.shape[2]
     group = num_q_heads // num_kv_heads
     per_split = blocks_per_split(n_sel, page_size, plan)
@@ -508,12 +852,14 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
         per_split, plan.num_splits, decode_query_len,
         qk_scale, v_scale,
     )
-    meta = dict(PAGE_SIZE=page_size, HB=plan.block_h, NQ=3 if q.dtype == torch.float16 else 2, NR=plan.num_stages,
+    meta = dict(PAGE_SIZE=page_size, HB=plan.block_h, NR=plan.num_stages,
                 BLOCK_SEL=max(next_pow2(cdiv(per_split, cpb) + 1), 2), HAS_K_SCALE=has_k_scale,
                 HAS_V_SCALE=has_v_scale, SPLIT=plan.num_splits > 1, WORKER_REGS=_WORKER_REGS)
+    if not nvfp4:
+        meta["NQ"] = 3 if q.dtype == torch.float16 else 2
+    kernel = _sparse_gqa_decode_hopper_nvfp4_kernel if nvfp4 else _sparse_gqa_decode_hopper_kernel
     grid = (num_tokens * num_kv_heads * plan.head_blocks * plan.num_splits,)
-    return KernelLaunch(_sparse_gqa_decode_hopper_kernel, grid, args, meta, num_warps=4, device=q.device,
-                        maxnreg=_MAXNREG)
+    return KernelLaunch(kernel, grid, args, meta, num_warps=4, device=q.device, maxnreg=_MAXNREG)
 
 
 __all__ = ["BLOCK_N", "HAS_GLUON", "NUM_STAGES", "make_launch", "plan_launch", "supported"]

@@ -67,14 +67,23 @@ def _compile(fn, constexprs: dict, pointer_types: dict, float_args, div16, optio
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
 
 
-def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages: int = gqa_hopper.NUM_STAGES):
+def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages: int = gqa_hopper.NUM_STAGES,
+                        cache: str = "fp8"):
     """The sparse-GQA kernel (``ops/sparse_gqa_hopper.py``) as the launcher specialises it: ``q_dtype``
-    ``bf16`` (two query pieces) or ``fp16`` (three), device scales given, a contiguous query and output."""
-    fn = gqa_hopper._sparse_gqa_decode_hopper_kernel
-    constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NQ=2 if q_dtype == "bf16" else 3, NR=stages,
-                      BLOCK_SEL=32, HAS_K_SCALE=True, HAS_V_SCALE=True, SPLIT=split,
-                      WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1, stride_od=1)
-    pointer_types = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*fp8e4nv", "topk_ptr": "*i32", "bt_ptr": "*i32",
+    ``bf16`` (two query pieces) or ``fp16`` (three), device scales given, a contiguous query and output;
+    ``cache`` ``"fp8"`` (a float8 value cache) or ``"nvfp4"`` (the NVFP4 kernel)."""
+    if cache == "nvfp4":
+        fn = gqa_hopper._sparse_gqa_decode_hopper_nvfp4_kernel
+        constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NR=stages, BLOCK_SEL=32, HAS_K_SCALE=True,
+                          HAS_V_SCALE=True, SPLIT=split, WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1,
+                          stride_od=1)
+    else:
+        fn = gqa_hopper._sparse_gqa_decode_hopper_kernel
+        constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NQ=2 if q_dtype == "bf16" else 3, NR=stages,
+                          BLOCK_SEL=32, HAS_K_SCALE=True, HAS_V_SCALE=True, SPLIT=split,
+                          WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1, stride_od=1)
+    pointer_types = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*u8" if cache == "nvfp4" else "*fp8e4nv",
+                     "topk_ptr": "*i32", "bt_ptr": "*i32",
                      "kv_lens_ptr": "*i32", "qo_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
                      "out_ptr": f"*{q_dtype}", "ws_ptr": "*fp32"}
     # as supported() requires: a 16-byte aligned cache whose page, head and row strides are multiples of 16
@@ -179,10 +188,11 @@ def main(argv=None) -> int:
         return 1
     if args.gqa:
         print(f"triton {triton.__version__}")
-        for split in (False, True):
-            for q_dtype in ("bf16", "fp16"):
-                label = f"gqa q={q_dtype} split={int(split)}"
-                print(report(compile_gqa_variant(split, q_dtype), label, args.sass), flush=True)
+        for cache in ("fp8", "nvfp4"):
+            for split in (False, True):
+                for q_dtype in ("bf16", "fp16"):
+                    label = f"gqa {cache} q={q_dtype} split={int(split)}"
+                    print(report(compile_gqa_variant(split, q_dtype, cache=cache), label, args.sass), flush=True)
         return 0
     formats = args.only.split(",") if args.only else ["fp8_656", "fp8_584", "auto"]
     print(f"triton {triton.__version__}")
