@@ -272,10 +272,11 @@ if HAS_GLUON:
     def _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
                          v_mult: gl.constexpr, CID: gl.constexpr, HB: gl.constexpr, HAS_V_SCALE: gl.constexpr,
-                         SPLIT: gl.constexpr):
+                         SPLIT: gl.constexpr, NV_DIMS: gl.constexpr):
         """The end of consumer ``CID``: the second hands its state ``(m, l, O^T)`` to the first, which
         merges it into its own and writes the output (or the split's partials); the V tiles held the
-        values divided by ``v_mult``."""
+        values divided by ``v_mult``, with ``NV_DIMS`` their columns (the rows of ``O^T``) in ``_nv_dim``
+        order."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
         m_o = gl.convert_layout(m_i, HEADS_O)
@@ -306,7 +307,10 @@ if HAS_GLUON:
             # Epilogue: O^T [128 dims, HB]; the V tiles held v / v_mult.
             head_ok = heads < group
             h = (g * group + heads).to(gl.int64)
-            dims = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L)).to(gl.int64)
+            dims = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L))
+            if NV_DIMS:
+                dims = _nv_dim(dims)
+            dims = dims.to(gl.int64)
             o = o * v_mult
             if SPLIT:
                 ws_rows = gl.cast(ws_rows, gl.int64)
@@ -402,7 +406,7 @@ if HAS_GLUON:
 
         _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
-                         256.0, CID, HB, HAS_V_SCALE, SPLIT)
+                         256.0, CID, HB, HAS_V_SCALE, SPLIT, False)
 
     # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
     # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
@@ -475,52 +479,77 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
     # NVFP4 caches (docs/sparse_gqa.md, "NVFP4 on the same structure")
     # -------------------------------------------------------------------------------------------------
-    # Four data bytes (value 2i is the low nibble of byte i, 2i + 1 its high nibble) and each byte's
-    # E4M3 group scale -> per byte the float16 of (low value) * scale * 2**-7 and of (high value) *
-    # scale * 2**-7, exactly: the float16 high byte of |code| * 2**-7 comes from a byte table (prmt with
-    # the 3-bit magnitudes as selector), its sign from a second table (the sign bits as selector), the
-    # low byte is 0, and the product with the scale is a float16 (docs: at most 6 significant bits,
-    # inside float16's exact range). Results: the low-nibble values, then the high-nibble values.
-    _FP4X8_TO_F16 = gl.constexpr("""
+    # Eight data bytes of one 16-value group (value 2i is the low nibble of byte i, 2i + 1 its high
+    # nibble) and the group's E4M3 scale (in the low byte of each of eight copies) -> the float16 of each
+    # value * scale * 2**-6, exactly. Each nibble is re-encoded as an e4m3 byte (sign to bit 7, the three
+    # exponent and mantissa bits to bits 2-4: the e4m3 value is the E2M1 value * 2**-6, subnormals
+    # included), converted two at a time by the hardware and multiplied by the float16 scale (the
+    # product has at most 6 significant bits, inside float16's exact range). Results: the 8 low-nibble
+    # values (bytes 0..7), then the 8 high-nibble values; callers keep that order (the dims permuted,
+    # see ``_nv_dim``). The portable kernel's ``E2M1_X64_PTX`` re-encodes the same way.
+    _FP4X16_TO_F16 = gl.constexpr("""
     {
-    .reg .b32 m, s, mh, sh, h0, h1, g0, g1, ta, tb, sa, z, c01, c23;
-    .reg .b16 s01, s23;
-    mov.b32 ta, 0x22201C00;
-    mov.b32 tb, 0x2A282624;
-    mov.b32 sa, 0x00008000;
-    mov.b32 z, 0;
-    and.b32 m, $4, 0x77777777;
-    shr.b32 s, $4, 3;
-    and.b32 s, s, 0x11111111;
-    shr.b32 mh, m, 16;
-    shr.b32 sh, s, 16;
-    prmt.b32 h0, ta, tb, m;
-    prmt.b32 h1, ta, tb, mh;
-    prmt.b32 g0, sa, z, s;
-    prmt.b32 g1, sa, z, sh;
-    or.b32 h0, h0, g0;
-    or.b32 h1, h1, g1;
-    mov.b32 {s01, s23}, $5;
-    cvt.rn.f16x2.e4m3x2 c01, s01;
-    cvt.rn.f16x2.e4m3x2 c23, s23;
-    prmt.b32 $0, h0, z, 0x2404;
-    prmt.b32 $1, h1, z, 0x2404;
-    prmt.b32 $2, h0, z, 0x3414;
-    prmt.b32 $3, h1, z, 0x3414;
-    mul.rn.f16x2 $0, $0, c01;
-    mul.rn.f16x2 $1, $1, c23;
-    mul.rn.f16x2 $2, $2, c01;
-    mul.rn.f16x2 $3, $3, c23;
+    .reg .b32 t, u, e, sc, c;
+    .reg .b16 e0, e1, s01, s23;
+    prmt.b32 sc, $10, 0, 0x0000;
+    mov.b32 {s01, s23}, sc;
+    cvt.rn.f16x2.e4m3x2 c, s01;
+    shl.b32 t, $8, 4;
+    shl.b32 u, $8, 2;
+    and.b32 t, t, 0x80808080;
+    and.b32 u, u, 0x1C1C1C1C;
+    or.b32 e, t, u;
+    mov.b32 {e0, e1}, e;
+    cvt.rn.f16x2.e4m3x2 $0, e0;
+    cvt.rn.f16x2.e4m3x2 $1, e1;
+    shr.b32 u, $8, 2;
+    and.b32 t, $8, 0x80808080;
+    and.b32 u, u, 0x1C1C1C1C;
+    or.b32 e, t, u;
+    mov.b32 {e0, e1}, e;
+    cvt.rn.f16x2.e4m3x2 $4, e0;
+    cvt.rn.f16x2.e4m3x2 $5, e1;
+    shl.b32 t, $9, 4;
+    shl.b32 u, $9, 2;
+    and.b32 t, t, 0x80808080;
+    and.b32 u, u, 0x1C1C1C1C;
+    or.b32 e, t, u;
+    mov.b32 {e0, e1}, e;
+    cvt.rn.f16x2.e4m3x2 $2, e0;
+    cvt.rn.f16x2.e4m3x2 $3, e1;
+    shr.b32 u, $9, 2;
+    and.b32 t, $9, 0x80808080;
+    and.b32 u, u, 0x1C1C1C1C;
+    or.b32 e, t, u;
+    mov.b32 {e0, e1}, e;
+    cvt.rn.f16x2.e4m3x2 $6, e0;
+    cvt.rn.f16x2.e4m3x2 $7, e1;
+    mul.rn.f16x2 $0, $0, c;
+    mul.rn.f16x2 $1, $1, c;
+    mul.rn.f16x2 $2, $2, c;
+    mul.rn.f16x2 $3, $3, c;
+    mul.rn.f16x2 $4, $4, c;
+    mul.rn.f16x2 $5, $5, c;
+    mul.rn.f16x2 $6, $6, c;
+    mul.rn.f16x2 $7, $7, c;
     }
     """)
 
     @gluon.jit
     def _fp4_expand(data, scale):
-        """float16 ``[..., 2 * n]`` of E2M1 bytes ``data [..., n]`` times their E4M3 ``scale`` (same
-        shape) times ``2**-7``, in value order."""
-        lo, hi = gl.inline_asm_elementwise(_FP4X8_TO_F16, "=r,=r,=r,=r,r,r", [data, scale],
-                                           dtype=(gl.float16, gl.float16), is_pure=True, pack=4)
-        return gl.join(lo, hi)
+        """float16 ``[..., 2, 8]`` of the E2M1 bytes ``data [..., 8]`` (one scale group) times their E4M3
+        ``scale`` (int32 holding the byte, same shape) times ``2**-6``: the low nibbles' values, then the
+        high nibbles'."""
+        lo, hi = gl.inline_asm_elementwise(_FP4X16_TO_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+                                           [data, scale], dtype=(gl.float16, gl.float16), is_pure=True, pack=8)
+        v = gl.join(lo, hi)  # [..., 8, 2]
+        return gl.permute(v, [0, 1, 3, 2])
+
+    @gluon.jit
+    def _nv_dim(d):
+        """The head dim held at tile column ``d`` of an expanded NVFP4 tile: within each 16-value group
+        the 8 low-nibble values (dims 0, 2, .., 14 of the group) come first, then the 8 high-nibble ones."""
+        return (d // 16) * 16 + (d % 8) * 2 + (d // 8) % 2
 
     @gluon.jit
     def _nv_issue_block(blk, stage, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, g,
@@ -588,7 +617,7 @@ if HAS_GLUON:
         i = hb * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, QL))
         ok = i < group
         h = (g * group + i).to(gl.int64)
-        d = gl.arange(0, 128, layout=gl.SliceLayout(0, QL)).to(gl.int64)
+        d = _nv_dim(gl.arange(0, 128, layout=gl.SliceLayout(0, QL))).to(gl.int64)  # as the K tiles' columns
         x = gl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd, mask=ok[:, None],
                     other=0.0).to(gl.float32)
         amax = gl.max(gl.abs(x), axis=1)
@@ -604,21 +633,22 @@ if HAS_GLUON:
     @gluon.jit
     def _nv_tile(dat, sc, stage, limit, tile, MASK: gl.constexpr):
         """Expand stage ``stage`` of a data ring ``dat`` [NR, 64 keys, 64 bytes] with its scales ``sc``
-        (a [64 keys, 8 groups] view) into the float16 ``tile`` [64, 128] (values times ``2**-7``), 32 keys
-        at a time; with ``MASK`` the scales of the block's keys from ``limit`` on are zeroed (their values
-        become exact zeros)."""
-        L3: gl.constexpr = gl.BlockedLayout([1, 2, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])  # [32, 8 groups, 8 B]
+        (a [64 keys, 8 groups] view) into the float16 ``tile`` [64, 128] (values times ``2**-6``, the
+        columns in ``_nv_dim`` order), the whole block at once (in parts, the compiler would put a
+        barrier between the stores into the tile); with ``MASK`` the scales of the block's keys from
+        ``limit`` on are zeroed (their values become exact zeros)."""
+        # [64 keys, 8 groups, 8 bytes]: a thread holds groups l and l + 4 of a key (l its lane % 4), so
+        # one 16-byte store of a warp covers four different 16-byte columns of each 128-byte swizzle row
+        L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
         RAW3: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
-        raw = dat.index(stage)._reinterpret(gl.uint8, [_BN, 8, 8], RAW3)
-        for half in gl.static_range(2):
-            data = raw.slice(half * 32, 32, dim=0).load(L3)
-            scale = sc.slice(half * 32, 32, dim=0).load(gl.SliceLayout(2, L3))
-            if MASK:
-                keys = half * 32 + gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-                scale = gl.where((keys < limit)[:, None], scale, gl.zeros_like(scale))
-            scale = gl.broadcast(gl.expand_dims(scale, 2), data)[0]
-            vals = _fp4_expand(data, scale)  # [32, 8, 8, 2]
-            tile.slice(half * 32, 32, dim=0).store(gl.reshape(vals, [32, 128]))
+        data = dat.index(stage)._reinterpret(gl.uint8, [_BN, 8, 8], RAW3).load(L3)
+        scale = sc.load(gl.SliceLayout(2, L3))
+        if MASK:
+            keys = gl.arange(0, _BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+            scale = gl.where((keys < limit)[:, None], scale, gl.zeros_like(scale))
+        scale = gl.broadcast(gl.expand_dims(scale.to(gl.int32), 2), data)[0]
+        vals = _fp4_expand(data, scale)  # [64, 8 groups, 2 nibbles, 8 bytes]: columns as _nv_dim
+        tile.store(gl.reshape(vals, [_BN, 128]))
 
     @gluon.jit
     def _nv_consumer(q_ptr, stride_qt, stride_qh, stride_qd,
@@ -632,7 +662,7 @@ if HAS_GLUON:
                      CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr,
                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
         """As ``_consumer``, for an NVFP4 cache: per block it expands K and V into its own float16 tiles
-        (values times ``2**-7``), frees the raw stage, and runs ``S^T = K Q^T`` (float16 ``wgmma``) and
+        (values times ``2**-6``), frees the raw stage, and runs ``S^T = K Q^T`` (float16 ``wgmma``) and
         ``O^T += V^T P^T``."""
         pid = gl.program_id(0)
         t, g, hb, split, blk_lo, blk_hi = _cta_range(pid, num_kv_heads, num_head_blocks, num_splits,
@@ -655,8 +685,8 @@ if HAS_GLUON:
         SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
 
         # Per-head score factor (base 2): the float scales, the device K scale, the query's power of
-        # two, and 2**7 for the expanded K.
-        qk = gl.convert_layout(down, HEADS) * (qk_scale * 128.0)
+        # two, and 2**6 for the expanded K.
+        qk = gl.convert_layout(down, HEADS) * (qk_scale * 64.0)
         if HAS_K_SCALE:
             qk = qk * gl.load(k_scale_ptr)
         qk = gl.minimum(gl.maximum(qk, -_FLT_MAX), _FLT_MAX)
@@ -702,7 +732,7 @@ if HAS_GLUON:
 
         _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
-                         128.0, CID, HB, HAS_V_SCALE, SPLIT)
+                         64.0, CID, HB, HAS_V_SCALE, SPLIT, True)
 
     @gluon.jit(do_not_specialize=("n_sel", "blocks_per_split", "num_splits"))
     def _sparse_gqa_decode_hopper_nvfp4_kernel(

@@ -881,14 +881,17 @@ def test_triton_interpreter_score_overflow_is_not_nan(kv_dtype):
         torch.testing.assert_close(out[0].double(), expected.expand(4, 128).to(FP16).double(), atol=2e-3, rtol=2e-3)
 
 
-def _run_ptx(asm: str, word: int) -> list[int]:
-    """A model of the few PTX instructions the NVFP4 decoder uses, run on one input register; returns
-    the four output registers ($0..$3) as 32-bit words."""
-    regs = {"$4": word}
+def _run_ptx(asm: str, word: int, inputs: dict | None = None, n_out: int = 4) -> list[int]:
+    """A model of the few PTX instructions the NVFP4 decoders use, run on input registers (``word`` in
+    ``$4``, or ``inputs``); returns the output registers ``$0..$(n_out - 1)`` as 32-bit words."""
+    regs = dict(inputs) if inputs is not None else {"$4": word}
     mask = 0xFFFFFFFF
 
     def val(x):
         return regs[x] if x in regs else int(x, 0)
+
+    def f16(bits):
+        return np.array([bits & 0xFFFF], dtype=np.uint16).view(np.float16)[0]
 
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
@@ -909,13 +912,27 @@ def _run_ptx(asm: str, word: int) -> list[int]:
             regs[dst] = a[0] & a[1]
         elif op == "or.b32":
             regs[dst] = a[0] | a[1]
+        elif op == "prmt.b32":  # default mode: each result byte picks a byte of {a, b} (bit 3: its sign)
+            pool = a[0] | (a[1] << 32)
+            out = 0
+            for k in range(4):
+                sel = (a[2] >> (4 * k)) & 0xF
+                byte = (pool >> (8 * (sel & 7))) & 0xFF
+                if sel & 8:
+                    byte = 0xFF if byte & 0x80 else 0
+                out |= byte << (8 * k)
+            regs[dst] = out
+        elif op == "mul.rn.f16x2":  # exact products here: float32 then float16 rounds once
+            halves = [int(np.array([np.float16(np.float32(f16(a[0] >> s)) * np.float32(f16(a[1] >> s)))]).view(np.uint16)[0])
+                      for s in (0, 16)]
+            regs[dst] = halves[0] | (halves[1] << 16)
         elif op == "cvt.rn.f16x2.e4m3x2":  # low byte -> low half
             halves = [int(torch.tensor([e4m3_value((a[0] >> s) & 0xFF)], dtype=FP16).view(torch.int16)) & 0xFFFF
                       for s in (0, 8)]
             regs[dst] = halves[0] | (halves[1] << 16)
         else:
             raise AssertionError(f"unmodelled PTX instruction {op}")
-    return [regs[f"${i}"] for i in range(4)]
+    return [regs[f"${i}"] for i in range(n_out)]
 
 
 def test_nvfp4_gpu_decoder_ptx():
@@ -931,6 +948,32 @@ def test_nvfp4_gpu_decoder_ptx():
             half_hi = (outs[2 + lane // 2] >> (16 * (lane % 2))) & 0xFFFF
             got = [float(np.array([h], dtype=np.uint16).view(np.float16)[0]) for h in (half, half_hi)]
             assert got == [E2M1_TABLE[byte & 15].item() * 2.0**-6, E2M1_TABLE[byte >> 4].item() * 2.0**-6], (byte, lane)
+
+
+def test_nvfp4_hopper_decoder_ptx():
+    """The Hopper NVFP4 kernel's inline PTX (eight data bytes and a group scale in, sixteen float16
+    out), run through the instruction model for every data byte in every position, the scales cycling
+    through normal, subnormal and zero ones: output element k of the low / high half is byte k's low /
+    high nibble as E2M1 * scale * 2**-6 (the GPU tests run the real thing)."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper
+
+    if not sparse_gqa_hopper.HAS_GLUON:
+        pytest.skip("this Triton has no Gluon: the Hopper kernel is not built")
+    asm = sparse_gqa_hopper._FP4X16_TO_F16.value
+    scales = (0x00, 0x01, 0x07, 0x08, 0x38, 0x3F, 0x7E)
+    for byte in range(256):
+        for pos in range(8):
+            scale_byte = scales[(byte + pos) % len(scales)]
+            s = e4m3_value(scale_byte)
+            words = [0x1D6C5A93, 0xC3A5F00F]  # other bytes around it
+            w, sh = divmod(pos, 4)
+            words[w] = (words[w] & ~(0xFF << (8 * sh))) | (byte << (8 * sh))
+            regs = {"$8": words[0], "$9": words[1], **{f"${10 + i}": scale_byte for i in range(8)}}
+            outs = _run_ptx(asm, 0, regs, n_out=8)
+            halves = [(outs[h * 4 + pos // 2] >> (16 * (pos % 2))) & 0xFFFF for h in (0, 1)]
+            got = [float(np.array([x], dtype=np.uint16).view(np.float16)[0]) for x in halves]
+            want = [E2M1_TABLE[byte & 15].item() * s * 2.0**-6, E2M1_TABLE[byte >> 4].item() * s * 2.0**-6]
+            assert got == want, (scale_byte, byte, pos)
 
 
 def test_launch_config_splits_small_batches():
