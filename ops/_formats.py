@@ -10,7 +10,9 @@ The host-side facts and layout checks (``FORMAT_IDS``, ``cache_dim``, ``check_kv
 - ``load_kv_tile`` / ``load_kv_cols`` (Triton): a ``[BLOCK_N, CHUNK]`` float32 tile of dequantised
   values, decoded in registers (no dequantised copy of the cache ever exists in memory);
 - ``load_fp8_656_raw`` / ``load_fp8_656_scales`` (Triton): an fp8_656 scale group's raw e4m3 values
-  and the four per-row scales apart, for callers that apply the scale after an exact product.
+  and the four per-row scales apart, for callers that apply the scale after an exact product;
+- ``e2m1_reencode_ptx``: the inline PTX that turns four bytes of the sparse-GQA NVFP4 cache (eight
+  E2M1 codes) into float16, shared by its portable and Hopper decode kernels.
 
 Layouts (bytes of one token or page; ``stride(0)`` is the page stride and may include padding):
 
@@ -269,3 +271,18 @@ def load_fp8_656_scales(cache_ptr, stride_page, page_size, slots, valid):
     s2 = tl.sum(tl.where((b // 4 == 2)[None, :], bits, 0), axis=1).to(tl.float32, bitcast=True)
     s3 = tl.sum(tl.where((b // 4 == 3)[None, :], bits, 0), axis=1).to(tl.float32, bitcast=True)
     return s0, s1, s2, s3
+
+
+def e2m1_reencode_ptx(src: str, lo: tuple[str, str], hi: tuple[str, str]) -> str:
+    """PTX lines turning the four bytes of register ``src`` (eight E2M1 codes) into float16 values times
+    ``2**-6``, exactly: the low nibbles' values into registers ``lo`` (bytes 0, 1 and bytes 2, 3, two
+    float16 each) and the high nibbles' into ``hi``. Each nibble is re-encoded as an e4m3 byte (sign to
+    bit 7, the three exponent and mantissa bits to bits 2-4: the e4m3 value is the E2M1 value times
+    ``2**-6``, subnormals included) and ``cvt.rn.f16x2.e4m3x2`` converts two at a time. The caller
+    declares ``.reg .b32 t, u, e`` and ``.reg .b16 e0, e1``."""
+    def tail(out: tuple[str, str]) -> list[str]:
+        return ["and.b32 u, u, 0x1C1C1C1C;", "or.b32 e, t, u;", "mov.b32 {e0, e1}, e;",
+                f"cvt.rn.f16x2.e4m3x2 {out[0]}, e0;", f"cvt.rn.f16x2.e4m3x2 {out[1]}, e1;"]
+    lines = ([f"shl.b32 t, {src}, 4;", f"shl.b32 u, {src}, 2;", "and.b32 t, t, 0x80808080;"] + tail(lo)
+             + [f"shr.b32 u, {src}, 2;", f"and.b32 t, {src}, 0x80808080;"] + tail(hi))
+    return "".join(line + "\n" for line in lines)

@@ -47,7 +47,7 @@ from ..meta_kernels.sparse_gqa import (
     NVFP4_TOKEN_BYTES,
     is_nvfp4,
 )
-from ._formats import written_slots
+from ._formats import e2m1_reencode_ptx, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2,
                       scratch)
 from ._rounding import bf16_bits, e4m3_bits, f16_bits, load_as_f32
@@ -298,27 +298,8 @@ def _pow2_row_scale(rmax):
 # The PTX of ``_e2m1_x64_asm`` (one instance: four bytes in $4; low nibbles out in $0, $1 and high
 # nibbles in $2, $3, two float16 per register, byte k -> element k). tests/test_sparse_gqa.py runs it
 # through a small PTX model for every byte value.
-E2M1_X64_PTX = tl.constexpr("""
-        {
-        .reg .b32 t, u, e;
-        .reg .b16 e0, e1;
-        shl.b32 t, $4, 4;
-        shl.b32 u, $4, 2;
-        and.b32 t, t, 0x80808080;
-        and.b32 u, u, 0x1C1C1C1C;
-        or.b32 e, t, u;
-        mov.b32 {e0, e1}, e;
-        cvt.rn.f16x2.e4m3x2 $0, e0;
-        cvt.rn.f16x2.e4m3x2 $1, e1;
-        shr.b32 u, $4, 2;
-        and.b32 t, $4, 0x80808080;
-        and.b32 u, u, 0x1C1C1C1C;
-        or.b32 e, t, u;
-        mov.b32 {e0, e1}, e;
-        cvt.rn.f16x2.e4m3x2 $2, e0;
-        cvt.rn.f16x2.e4m3x2 $3, e1;
-        }
-        """)
+E2M1_X64_PTX = tl.constexpr("{\n.reg .b32 t, u, e;\n.reg .b16 e0, e1;\n"
+                            + e2m1_reencode_ptx("$4", ("$0", "$1"), ("$2", "$3")) + "}\n")
 
 
 @triton.jit

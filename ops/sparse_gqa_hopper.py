@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import torch
 
+from ._formats import e2m1_reencode_ptx
 from ._launch import KernelLaunch, LaunchPlan, cdiv, next_pow2
 from .sparse_mla_hopper import HAS_GLUON, _is_sm90
 
@@ -209,8 +210,12 @@ if HAS_GLUON:
                   kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
                   num_pages, num_req, max_blocks, n_sel,
                   num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                  kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
-                  PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr):
+                  kraw, vraw, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
+                  PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
+                  NVFP4: gl.constexpr):
+        """The copying partition of both kernels. With ``NVFP4`` the cache is NVFP4 (``stride_ch`` the
+        slot stride, K slot ``2 g``, ``kraw`` / ``vraw`` the data rings and ``ksc`` / ``vsc`` the scale
+        rings); otherwise a float8 value cache (``ksc`` / ``vsc`` unused)."""
         stride_cp = gl.cast(stride_cp, gl.int64)
         stride_ch = gl.cast(stride_ch, gl.int64)
         stride_co = gl.cast(stride_co, gl.int64)
@@ -229,8 +234,12 @@ if HAS_GLUON:
         for i in range(0, n):
             if i >= NR:
                 mbarrier.wait(kfree.index(i % NR), ((i - NR) // NR) & 1)  # block i - NR's consumer is done
-            _issue_block(blk_lo + i, i % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, stride_co,
-                         g, kraw, vraw, CPB)
+            if NVFP4:
+                _nv_issue_block(blk_lo + i, i % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, g,
+                                kraw, vraw, ksc, vsc, PAGE_SIZE, CPB)
+            else:
+                _issue_block(blk_lo + i, i % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch,
+                             stride_co, g, kraw, vraw, CPB)
             async_copy.mbarrier_arrive(ready.index(i % NR), increment_count=False)
 
     # -------------------------------------------------------------------------------------------------
@@ -327,6 +336,31 @@ if HAS_GLUON:
                 gl.store(ptrs, (o * factor[None, :]).to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
 
     @gluon.jit
+    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, HB: gl.constexpr):
+        """One block's online-softmax step of a consumer, both kernels: the block's scores ``acc``
+        (``S^T``, ``[64 keys, HB heads]``) times the per-head factor ``qk`` are base-2 logits (saturated,
+        keys not ``valid`` at ``-inf``); returns ``(O^T, m, l_rows)`` after ``O^T += V^T P^T`` with the
+        block's ``V`` tile ``v_tile`` and ``P^T`` staged in ``pt``."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
+        u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
+        u = gl.where(valid[:, None], u, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(u, axis=0))
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(u - m_safe[None, :])
+        # the row sums stay per key row (summed over the keys once, after the loop): no cross-warp
+        # reduction per block
+        l_rows = l_rows * alpha[None, :] + p
+        pt.store(p.to(gl.float16))
+        fence_async_shared()
+        _cta_barrier()  # every warp's part of P^T and of the V tile is stored before any warp's MMA reads them
+        a = gl.convert_layout(alpha, HEADS_O)[None, :]
+        o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
+        o = warpgroup_mma_wait(0, deps=(o,))
+        return o, m_new, l_rows
+
+    @gluon.jit
     def _consumer(q_ptr, stride_qt, stride_qh, stride_qd,
                   k_scale_ptr, v_scale_ptr,
                   out_ptr, stride_ot, stride_oh, stride_od,
@@ -357,7 +391,6 @@ if HAS_GLUON:
         KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
         HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
-        HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
 
         # Per-head score factor (base 2): the float scales, the device K scale, the query's power of two.
         qk = gl.convert_layout(down, HEADS) * qk_scale
@@ -386,22 +419,7 @@ if HAS_GLUON:
             acc = warpgroup_mma_wait(0, deps=(acc,))
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
 
-            u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
-            u = gl.where(valid[:, None], u, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(u, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(u - m_safe[None, :])
-            # the row sums stay per key row (summed over the keys once, after the loop): no cross-warp
-            # reduction per block
-            l_rows = l_rows * alpha[None, :] + p
-            m_i = m_new
-            pt.store(p.to(gl.float16))
-            fence_async_shared()
-            _cta_barrier()  # every warp's part of P^T and of the V tile is stored before any warp's MMA reads them
-            a = gl.convert_layout(alpha, HEADS_O)[None, :]
-            o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o,))
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, HB)
             _release(kfree.index(s))  # every warp's MMA has read the V tile and P^T: the stage is free
 
         _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
@@ -471,8 +489,8 @@ if HAS_GLUON:
                           bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
                           num_pages, num_req, max_blocks, n_sel,
                           num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                          kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
-                          PAGE_SIZE, CPB, NR, BLOCK_SEL))],
+                          kraw, vraw, kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
+                          PAGE_SIZE, CPB, NR, BLOCK_SEL, False))],
             [4, 4], WORKER_REGS)
 
 
@@ -486,54 +504,12 @@ if HAS_GLUON:
     # included), converted two at a time by the hardware and multiplied by the float16 scale (the
     # product has at most 6 significant bits, inside float16's exact range). Results: the 8 low-nibble
     # values (bytes 0..7), then the 8 high-nibble values; callers keep that order (the dims permuted,
-    # see ``_nv_dim``). The portable kernel's ``E2M1_X64_PTX`` re-encodes the same way.
-    _FP4X16_TO_F16 = gl.constexpr("""
-    {
-    .reg .b32 t, u, e, sc, c;
-    .reg .b16 e0, e1, s01, s23;
-    prmt.b32 sc, $10, 0, 0x0000;
-    mov.b32 {s01, s23}, sc;
-    cvt.rn.f16x2.e4m3x2 c, s01;
-    shl.b32 t, $8, 4;
-    shl.b32 u, $8, 2;
-    and.b32 t, t, 0x80808080;
-    and.b32 u, u, 0x1C1C1C1C;
-    or.b32 e, t, u;
-    mov.b32 {e0, e1}, e;
-    cvt.rn.f16x2.e4m3x2 $0, e0;
-    cvt.rn.f16x2.e4m3x2 $1, e1;
-    shr.b32 u, $8, 2;
-    and.b32 t, $8, 0x80808080;
-    and.b32 u, u, 0x1C1C1C1C;
-    or.b32 e, t, u;
-    mov.b32 {e0, e1}, e;
-    cvt.rn.f16x2.e4m3x2 $4, e0;
-    cvt.rn.f16x2.e4m3x2 $5, e1;
-    shl.b32 t, $9, 4;
-    shl.b32 u, $9, 2;
-    and.b32 t, t, 0x80808080;
-    and.b32 u, u, 0x1C1C1C1C;
-    or.b32 e, t, u;
-    mov.b32 {e0, e1}, e;
-    cvt.rn.f16x2.e4m3x2 $2, e0;
-    cvt.rn.f16x2.e4m3x2 $3, e1;
-    shr.b32 u, $9, 2;
-    and.b32 t, $9, 0x80808080;
-    and.b32 u, u, 0x1C1C1C1C;
-    or.b32 e, t, u;
-    mov.b32 {e0, e1}, e;
-    cvt.rn.f16x2.e4m3x2 $6, e0;
-    cvt.rn.f16x2.e4m3x2 $7, e1;
-    mul.rn.f16x2 $0, $0, c;
-    mul.rn.f16x2 $1, $1, c;
-    mul.rn.f16x2 $2, $2, c;
-    mul.rn.f16x2 $3, $3, c;
-    mul.rn.f16x2 $4, $4, c;
-    mul.rn.f16x2 $5, $5, c;
-    mul.rn.f16x2 $6, $6, c;
-    mul.rn.f16x2 $7, $7, c;
-    }
-    """)
+    # see ``_nv_dim``). The re-encoding (``e2m1_reencode_ptx``) is the portable kernel's.
+    _FP4X16_TO_F16 = gl.constexpr(
+        "{\n.reg .b32 t, u, e, sc, c;\n.reg .b16 e0, e1, s01, s23;\n"
+        "prmt.b32 sc, $10, 0, 0x0000;\nmov.b32 {s01, s23}, sc;\ncvt.rn.f16x2.e4m3x2 c, s01;\n"
+        + e2m1_reencode_ptx("$8", ("$0", "$1"), ("$4", "$5")) + e2m1_reencode_ptx("$9", ("$2", "$3"), ("$6", "$7"))
+        + "".join(f"mul.rn.f16x2 ${i}, ${i}, c;\n" for i in range(8)) + "}\n")
 
     @gluon.jit
     def _fp4_expand(data, scale):
@@ -580,33 +556,6 @@ if HAS_GLUON:
         async_copy.async_copy_global_to_shared(ksc.index(stage), kslot + soffs, mask=(o0 + 2 * c < p_keys)[:, None])
         async_copy.async_copy_global_to_shared(vsc.index(stage), vslot + soffs,
                                                mask=(o0 + 4 * (c // 2) < p_keys)[:, None])
-
-    @gluon.jit
-    def _nv_producer(cache_ptr, stride_cp, stride_ch,
-                     topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                     bt_ptr, stride_bt_r, stride_bt_c,
-                     kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                     num_pages, num_req, max_blocks, n_sel,
-                     num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                     kdat, vdat, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
-                     PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr):
-        """As ``_producer``, for an NVFP4 cache (``stride_ch``: the slot stride, K slot ``2 g``)."""
-        stride_cp = gl.cast(stride_cp, gl.int64)
-        stride_ch = gl.cast(stride_ch, gl.int64)
-        t, g, hb, split, blk_lo, blk_hi = _cta_range(gl.program_id(0), num_kv_heads, num_head_blocks, num_splits,
-                                                     blocks_per_split, n_sel * CPB)
-        n = blk_hi - blk_lo
-        j_lo = _page_table(t, g, blk_lo, blk_hi, topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                           bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                           num_pages, num_req, max_blocks, n_sel, decode_query_len, page_phys, page_keys,
-                           PAGE_SIZE, CPB, BLOCK_SEL)
-        _release(pages_ready)
-        for i in range(0, n):
-            if i >= NR:
-                mbarrier.wait(kfree.index(i % NR), ((i - NR) // NR) & 1)
-            _nv_issue_block(blk_lo + i, i % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, g,
-                            kdat, vdat, ksc, vsc, PAGE_SIZE, CPB)
-            async_copy.mbarrier_arrive(ready.index(i % NR), increment_count=False)
 
     @gluon.jit
     def _nv_load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB: gl.constexpr,
@@ -680,7 +629,6 @@ if HAS_GLUON:
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
         HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
-        HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
         SC1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
 
@@ -714,20 +662,7 @@ if HAS_GLUON:
             _release(kfree.index(s))  # the raw stage is expanded: back to the producer
             acc = warpgroup_mma_wait(0, deps=(acc,))
 
-            u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)
-            u = gl.where(valid[:, None], u, float("-inf"))
-            m_new = gl.maximum(m_i, gl.max(u, axis=0))
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(u - m_safe[None, :])
-            l_rows = l_rows * alpha[None, :] + p
-            m_i = m_new
-            pt.store(p.to(gl.float16))
-            fence_async_shared()
-            _cta_barrier()  # every warp's part of P^T and of the V tile is stored before any warp's MMA reads them
-            a = gl.convert_layout(alpha, HEADS_O)[None, :]
-            o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
-            o = warpgroup_mma_wait(0, deps=(o,))
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, HB)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
         _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
@@ -794,13 +729,13 @@ if HAS_GLUON:
                              qk_scale, v_scale, qs, kdat, vdat, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
                              pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, HAS_K_SCALE,
                              HAS_V_SCALE, SPLIT)),
-             (_nv_producer, (cache_ptr, stride_cp, stride_ch,
-                             topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                             bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                             num_pages, num_req, max_blocks, n_sel,
-                             num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                             kdat, vdat, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
-                             PAGE_SIZE, CPB, NR, BLOCK_SEL))],
+             (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
+                          topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                          bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                          num_pages, num_req, max_blocks, n_sel,
+                          num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                          kdat, vdat, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
+                          PAGE_SIZE, CPB, NR, BLOCK_SEL, True))],
             [4, 4], WORKER_REGS)
 
 # =====================================================================================================
