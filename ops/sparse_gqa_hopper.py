@@ -1,4 +1,4 @@
-"""Hopper (sm_90) kernel of ``sparse_gqa_decode`` for float8 value caches, written in Gluon.
+"""Hopper (sm_90) kernels of ``sparse_gqa_decode`` for float8 value caches and NVFP4 caches, in Gluon.
 
 The portable Triton kernel (``ops/sparse_gqa.py``) keeps one or two tiles in flight per program and
 converts both K and V to float16 before its tile products. This kernel keeps up to four blocks of keys in
@@ -33,9 +33,15 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
 - **Split-K** writes the partials of the portable kernel (``m``, ``l``, ``acc`` rows of
   ``ops/sparse_gqa.py``), which its combine kernel merges.
 
-Requirements (:func:`supported`; anything else takes the portable kernel): an sm_90 device, a float8
-value cache with ``Dh = 128`` whose base address and page, head and row strides are multiples of 16
-bytes, a bfloat16 or float16 query. Gluon does not run under the Triton interpreter: this kernel is
+The NVFP4 kernel (``_sparse_gqa_decode_hopper_nvfp4_kernel``) has the same structure and producer;
+its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its consumers
+expand K and V into float16 tiles (``value * scale * 2**-6``, exact) and run float16 ``wgmma``; the
+query is staged as float16 in the tiles' column order (``_nv_dim``).
+
+Requirements (:func:`supported`; anything else takes the portable kernel): an sm_90 device, a bfloat16
+or float16 query with ``Dh = 128``, a 16-byte aligned cache, and either a float8 value cache whose page,
+head and row strides are multiples of 16 bytes or an NVFP4 cache laid out as the format says with a
+page stride that is a multiple of 16 bytes. Gluon does not run under the Triton interpreter: this kernel is
 tested on the GPU only (``tests/test_sparse_gqa.py``, the ``hopper`` tests). ``docs/sparse_gqa.md``,
 "Decode on Hopper", has the measurements.
 """
