@@ -33,7 +33,7 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
 - **Split-K** writes the partials of the portable kernel (``m``, ``l``, ``acc`` rows of
   ``ops/sparse_gqa.py``), which its combine kernel merges.
 
-The NVFP4 kernel (``_sparse_gqa_decode_hopper_nvfp4_kernel``) has the same structure and producer;
+For an NVFP4 cache (the same kernel, ``NQ = 0``) the structure and the producer are the same;
 its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its consumers
 expand K and V into float16 tiles (``value * scale * 2**-6``, exact) and run float16 ``wgmma``; the
 query is staged as float16 in the tiles' column order (``_nv_dim``).
@@ -432,72 +432,6 @@ if HAS_GLUON:
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
                          256.0, CID, HB, HAS_V_SCALE, SPLIT, False)
 
-    # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
-    # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
-    # (found on an H200 with a one-page list).
-    @gluon.jit(do_not_specialize=("n_sel", "blocks_per_split", "num_splits"))
-    def _sparse_gqa_decode_hopper_kernel(
-        q_ptr, stride_qt, stride_qh, stride_qd,  # [T, Hq, 128] bf16 / fp16
-        cache_ptr, stride_cp, stride_ch, stride_co,  # the float8 value cache [pages, Hkv, page_size, 256]
-        topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,  # int32 [T, Hkv, n_sel]
-        bt_ptr, stride_bt_r, stride_bt_c,  # int32 [B, W]
-        kv_lens_ptr, stride_kvl,  # int32 [T]
-        qo_ptr, stride_qo,  # int32 [T]
-        k_scale_ptr, v_scale_ptr,  # float32 device scales (HAS_K_SCALE / HAS_V_SCALE)
-        out_ptr, stride_ot, stride_oh, stride_od,  # [T, Hq, 128] (not SPLIT)
-        ws_ptr, ws_rows,  # SPLIT: the portable kernel's workspace, m [R], l [R], acc [R, 128]
-        num_kv_heads, group, num_head_blocks,
-        num_pages, num_req, max_blocks, n_sel,
-        blocks_per_split, num_splits, decode_query_len,
-        qk_scale, v_scale,  # as the portable kernel's
-        PAGE_SIZE: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
-        HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr, WORKER_REGS: gl.constexpr,
-    ):
-        CPB: gl.constexpr = (PAGE_SIZE + _BN - 1) // _BN
-        KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
-        VL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-        PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
-        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
-        VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        qs = gl.allocate_shared_memory(gl.float8e4nv, [NQ, HB, 128], KL)
-        kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)
-        vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], RAW)
-        vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
-        page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)  # the split's pages (producer)
-        page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
-        pt_smem = gl.allocate_shared_memory(gl.float16, [2, _BN, HB], PL)
-        ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)  # consumer 1's (m, l)
-        ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
-        kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        merge_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        pages_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        for s in gl.static_range(NR):
-            mbarrier.init(ready.index(s), count=128)  # each producer thread, once its copies of a block landed
-            mbarrier.init(kfree.index(s), count=ARRIVALS)  # the block's consumer: done with the stage
-        mbarrier.init(q_ready, count=ARRIVALS)  # consumer 0: Q staged
-        mbarrier.init(merge_ready, count=ARRIVALS)  # consumer 1: its state handed over
-        mbarrier.init(pages_ready, count=ARRIVALS)  # the producer: the split's page table
-        fence_async_shared()
-        gl.warp_specialize(
-            [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                          qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready,
-                          kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
-             (_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                          qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready,
-                          kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
-             (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
-                          topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                          bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                          num_pages, num_req, max_blocks, n_sel,
-                          num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                          kraw, vraw, kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
-                          PAGE_SIZE, CPB, NR, BLOCK_SEL, False))],
-            [4, 4], WORKER_REGS)
 
 
     # -------------------------------------------------------------------------------------------------
@@ -675,74 +609,105 @@ if HAS_GLUON:
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
                          64.0, CID, HB, HAS_V_SCALE, SPLIT, True)
 
+    # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
+    # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
+    # (found on an H200 with a one-page list).
     @gluon.jit(do_not_specialize=("n_sel", "blocks_per_split", "num_splits"))
-    def _sparse_gqa_decode_hopper_nvfp4_kernel(
+    def _sparse_gqa_decode_hopper_kernel(
         q_ptr, stride_qt, stride_qh, stride_qd,  # [T, Hq, 128] bf16 / fp16
-        cache_ptr, stride_cp, stride_ch, stride_co,  # the NVFP4 cache [pages, 2 Hkv, page_size, 72] (bytes)
-        topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-        bt_ptr, stride_bt_r, stride_bt_c,
-        kv_lens_ptr, stride_kvl,
-        qo_ptr, stride_qo,
-        k_scale_ptr, v_scale_ptr,
-        out_ptr, stride_ot, stride_oh, stride_od,
-        ws_ptr, ws_rows,
+        cache_ptr, stride_cp, stride_ch, stride_co,  # float8 [pages, Hkv, ps, 256] / NVFP4 [pages, 2 Hkv, ps, 72]
+        topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,  # int32 [T, Hkv, n_sel]
+        bt_ptr, stride_bt_r, stride_bt_c,  # int32 [B, W]
+        kv_lens_ptr, stride_kvl,  # int32 [T]
+        qo_ptr, stride_qo,  # int32 [T]
+        k_scale_ptr, v_scale_ptr,  # float32 device scales (HAS_K_SCALE / HAS_V_SCALE)
+        out_ptr, stride_ot, stride_oh, stride_od,  # [T, Hq, 128] (not SPLIT)
+        ws_ptr, ws_rows,  # SPLIT: the portable kernel's workspace, m [R], l [R], acc [R, 128]
         num_kv_heads, group, num_head_blocks,
         num_pages, num_req, max_blocks, n_sel,
         blocks_per_split, num_splits, decode_query_len,
-        qk_scale, v_scale,
-        PAGE_SIZE: gl.constexpr, HB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
+        qk_scale, v_scale,  # as the portable kernel's
+        PAGE_SIZE: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
         HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr, WORKER_REGS: gl.constexpr,
     ):
+        """Both cache formats: ``NQ`` is the number of float8 query pieces for a float8 value cache
+        (2 for a bfloat16 query, 3 for float16), 0 for an NVFP4 cache."""
         CPB: gl.constexpr = (PAGE_SIZE + _BN - 1) // _BN
         VL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
-        QL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
         RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        qs = gl.allocate_shared_memory(gl.float16, [HB, 128], QL)
-        kdat = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 64], RAW)
-        vdat = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 64], RAW)
-        ksc = gl.allocate_shared_memory(gl.uint8, [NR, 32, 16], RAW)
-        vsc = gl.allocate_shared_memory(gl.uint8, [NR, 32, 16], RAW)
-        kh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # each consumer's K tile
-        vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # each consumer's V tile
-        page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
+        if NQ == 0:  # NVFP4: the float16 query, the data and scale rings, each consumer's K tile
+            qs = gl.allocate_shared_memory(gl.float16, [HB, 128], VL)
+            kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 64], RAW)
+            vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 64], RAW)
+            ksc = gl.allocate_shared_memory(gl.uint8, [NR, 32, 16], RAW)
+            vsc = gl.allocate_shared_memory(gl.uint8, [NR, 32, 16], RAW)
+            kh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)
+        else:  # float8: the query's pieces, the raw K and V rings (K read by the MMA as is)
+            KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
+            qs = gl.allocate_shared_memory(gl.float8e4nv, [NQ, HB, 128], KL)
+            kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)
+            vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], RAW)
+        vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
+        page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)  # the split's pages (producer)
         page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
         pt_smem = gl.allocate_shared_memory(gl.float16, [2, _BN, HB], PL)
-        ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)
+        ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)  # consumer 1's (m, l)
         ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         merge_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         pages_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NR):
-            mbarrier.init(ready.index(s), count=128)
-            mbarrier.init(kfree.index(s), count=ARRIVALS)
-        mbarrier.init(q_ready, count=ARRIVALS)
-        mbarrier.init(merge_ready, count=ARRIVALS)
-        mbarrier.init(pages_ready, count=ARRIVALS)
+            mbarrier.init(ready.index(s), count=128)  # each producer thread, once its copies of a block landed
+            mbarrier.init(kfree.index(s), count=ARRIVALS)  # the block's consumer: done with the stage
+        mbarrier.init(q_ready, count=ARRIVALS)  # consumer 0: Q staged
+        mbarrier.init(merge_ready, count=ARRIVALS)  # consumer 1: its state handed over
+        mbarrier.init(pages_ready, count=ARRIVALS)  # the producer: the split's page table
         fence_async_shared()
-        gl.warp_specialize(
-            [(_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                             out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                             num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                             qk_scale, v_scale, qs, kdat, vdat, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
-                             pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, HAS_K_SCALE,
-                             HAS_V_SCALE, SPLIT)),
-             (_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                             out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                             num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                             qk_scale, v_scale, qs, kdat, vdat, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
-                             pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, HAS_K_SCALE,
-                             HAS_V_SCALE, SPLIT)),
-             (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
-                          topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                          bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                          num_pages, num_req, max_blocks, n_sel,
-                          num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                          kdat, vdat, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
-                          PAGE_SIZE, CPB, NR, BLOCK_SEL, True))],
-            [4, 4], WORKER_REGS)
+        if NQ == 0:
+            gl.warp_specialize(
+                [(_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                                 out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                                 num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                                 qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
+                                 pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, HAS_K_SCALE,
+                                 HAS_V_SCALE, SPLIT)),
+                 (_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                                 out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                                 num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                                 qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
+                                 pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, HAS_K_SCALE,
+                                 HAS_V_SCALE, SPLIT)),
+                 (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
+                              topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                              bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                              num_pages, num_req, max_blocks, n_sel,
+                              num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                              kraw, vraw, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
+                              PAGE_SIZE, CPB, NR, BLOCK_SEL, True))],
+                [4, 4], WORKER_REGS)
+        else:
+            gl.warp_specialize(
+                [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                              out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                              num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                              qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready,
+                              kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+                 (_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                              out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                              num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                              qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready,
+                              kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+                 (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
+                              topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                              bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                              num_pages, num_req, max_blocks, n_sel,
+                              num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                              kraw, vraw, kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
+                              PAGE_SIZE, CPB, NR, BLOCK_SEL, False))],
+                [4, 4], WORKER_REGS)
 
 # =====================================================================================================
 # host side
@@ -826,9 +791,8 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
     meta = dict(PAGE_SIZE=page_size, HB=plan.block_h, NR=plan.num_stages,
                 BLOCK_SEL=max(next_pow2(cdiv(per_split, cpb) + 1), 2), HAS_K_SCALE=has_k_scale,
                 HAS_V_SCALE=has_v_scale, SPLIT=plan.num_splits > 1, WORKER_REGS=_WORKER_REGS)
-    if not nvfp4:
-        meta["NQ"] = 3 if q.dtype == torch.float16 else 2
-    kernel = _sparse_gqa_decode_hopper_nvfp4_kernel if nvfp4 else _sparse_gqa_decode_hopper_kernel
+    meta["NQ"] = 0 if nvfp4 else 3 if q.dtype == torch.float16 else 2
+    kernel = _sparse_gqa_decode_hopper_kernel
     grid = (num_tokens * num_kv_heads * plan.head_blocks * plan.num_splits,)
     return KernelLaunch(kernel, grid, args, meta, num_warps=4, device=q.device, maxnreg=_MAXNREG)
 

@@ -71,17 +71,11 @@ def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages:
                         cache: str = "fp8"):
     """The sparse-GQA kernel (``ops/sparse_gqa_hopper.py``) as the launcher specialises it: ``q_dtype``
     ``bf16`` (two query pieces) or ``fp16`` (three), device scales given, a contiguous query and output;
-    ``cache`` ``"fp8"`` (a float8 value cache) or ``"nvfp4"`` (the NVFP4 kernel)."""
-    if cache == "nvfp4":
-        fn = gqa_hopper._sparse_gqa_decode_hopper_nvfp4_kernel
-        constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NR=stages, BLOCK_SEL=32, HAS_K_SCALE=True,
-                          HAS_V_SCALE=True, SPLIT=split, WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1,
-                          stride_od=1)
-    else:
-        fn = gqa_hopper._sparse_gqa_decode_hopper_kernel
-        constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NQ=2 if q_dtype == "bf16" else 3, NR=stages,
-                          BLOCK_SEL=32, HAS_K_SCALE=True, HAS_V_SCALE=True, SPLIT=split,
-                          WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1, stride_od=1)
+    ``cache`` ``"fp8"`` (a float8 value cache) or ``"nvfp4"`` (an NVFP4 cache: `NQ = 0`)."""
+    nq = 0 if cache == "nvfp4" else 2 if q_dtype == "bf16" else 3
+    fn = gqa_hopper._sparse_gqa_decode_hopper_kernel
+    constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NQ=nq, NR=stages, BLOCK_SEL=32, HAS_K_SCALE=True,
+                      HAS_V_SCALE=True, SPLIT=split, WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1, stride_od=1)
     pointer_types = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*u8" if cache == "nvfp4" else "*fp8e4nv",
                      "topk_ptr": "*i32", "bt_ptr": "*i32",
                      "kv_lens_ptr": "*i32", "qo_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
