@@ -52,6 +52,12 @@ def is_nvfp4(kv_cache: torch.Tensor) -> bool:
     return kv_cache.dtype == torch.uint8
 
 
+def kv_heads(kv_cache: torch.Tensor) -> int:
+    """The KV heads of a sparse-GQA cache: ``shape[1]``, halved for an NVFP4 cache (a K slot and a V slot
+    per head)."""
+    return kv_cache.shape[1] // 2 if is_nvfp4(kv_cache) else kv_cache.shape[1]
+
+
 def output_dtype(q_dtype: torch.dtype) -> torch.dtype:
     """``q.dtype``, or bfloat16 for a float8 query."""
     return torch.bfloat16 if q_dtype == torch.float8_e4m3fn else q_dtype
@@ -119,7 +125,7 @@ def check_cache(name: str, kv_cache, device, *, written: bool = False):
         expect((pages <= 1) | (kv_cache.stride(0) >= slots * slot_bytes),
                lambda: f"{name}: expected stride(0) >= shape[1] * page_size * 72 ({slots * slot_bytes}) for an NVFP4 "
                        f"(uint8) cache (pages must not overlap), got strides {tuple(kv_cache.stride())}")
-    return slots // 2, NVFP4_HEAD_DIM
+    return kv_heads(kv_cache), NVFP4_HEAD_DIM
 
 
 # -- sparse_gqa_decode ---------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from ..meta_kernels.sparse_gqa import (
     NVFP4_SCALE_BYTES,
     NVFP4_TOKEN_BYTES,
     is_nvfp4,
+    kv_heads,
 )
 from ._formats import e2m1_reencode_ptx, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2,
@@ -108,7 +109,7 @@ def sparse_gqa_decode_dense(q, kv_cache, topk_pages, block_table, kv_segment_len
     num_tokens, num_q_heads, head_dim = q.shape
     nvfp4 = is_nvfp4(kv_cache)
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
-    num_kv_heads = kv_cache.shape[1] // 2 if nvfp4 else kv_cache.shape[1]
+    num_kv_heads = kv_heads(kv_cache)
     num_req, max_blocks = block_table.shape
     n_sel = topk_pages.shape[2]
     group = num_q_heads // num_kv_heads
@@ -745,7 +746,7 @@ def launch_config(q: torch.Tensor, kv_cache: torch.Tensor, n_sel: int, num_split
     """
     num_tokens, num_q_heads, head_dim = q.shape
     nvfp4 = is_nvfp4(kv_cache)
-    num_kv_heads = kv_cache.shape[1] // 2 if nvfp4 else kv_cache.shape[1]
+    num_kv_heads = kv_heads(kv_cache)
     page_size = kv_cache.shape[2]
     group = num_q_heads // num_kv_heads
     block_d = max(next_pow2(head_dim), 16)
@@ -800,7 +801,7 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
     num_tokens, num_q_heads, head_dim = q.shape
     nvfp4 = is_nvfp4(kv_cache)
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
-    num_kv_heads = kv_cache.shape[1] // 2 if nvfp4 else kv_cache.shape[1]
+    num_kv_heads = kv_heads(kv_cache)
     n_sel = topk_pages.shape[2]
     group = num_q_heads // num_kv_heads
     per_split = pages_per_split(n_sel, plan)
@@ -882,14 +883,14 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
     entry = _PLANS.get(key)
     if entry is None:
         use_hopper = path != "portable" and hopper.supported(q, kv_cache)
-        nvfp4 = is_nvfp4(kv_cache)
         if path == "hopper" and not use_hopper:
             raise ValueError("path: the Hopper kernel does not serve these arguments (see "
                              "ops/sparse_gqa_hopper.py::supported)")
         if use_hopper:
-            num_kv_heads, page_size = kv_cache.shape[1] // (2 if nvfp4 else 1), kv_cache.shape[2]
+            num_kv_heads = kv_heads(kv_cache)
             plan = hopper.plan_launch(q.shape[0], num_kv_heads, q.shape[1] // num_kv_heads, topk_pages.shape[2],
-                                      page_size, multiprocessor_count(q.device), num_splits).with_overrides(config)
+                                      kv_cache.shape[2], multiprocessor_count(q.device), num_splits)
+            plan = plan.with_overrides(config)
             main = hopper.make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
                                       decode_query_len, qk_scale, v_scale, has_k, has_v, out, plan)
             launches = (main, _make_combine(q, out, plan, v_scale, has_v) if plan.num_splits > 1 else None)

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import torch
 
+from ..meta_kernels.sparse_gqa import is_nvfp4, kv_heads
 from ._formats import e2m1_reencode_ptx
 from ._launch import KernelLaunch, LaunchPlan, cdiv, next_pow2
 from .sparse_mla_hopper import HAS_GLUON, _is_sm90
@@ -367,6 +368,23 @@ if HAS_GLUON:
         return o, m_new, l_rows
 
     @gluon.jit
+    def _consumer_start(down, qk_scale, k_scale_ptr, q_ready, pages_ready, HEADS: gl.constexpr, CID: gl.constexpr,
+                        HAS_K_SCALE: gl.constexpr):
+        """Once consumer 0 has staged Q (``down``: the inverse powers of two of its rows): consumer 0
+        hands Q over (every warp's part stored and fenced before the first MMA), consumer 1 waits for
+        it, both wait for the page table. Returns the per-head score factor (base 2, saturated):
+        ``qk_scale`` (the float scales), the device K scale and the query's power of two."""
+        if CID == 0:
+            _release(q_ready)
+        else:
+            mbarrier.wait(q_ready, 0)
+        mbarrier.wait(pages_ready, 0)
+        qk = gl.convert_layout(down, HEADS) * qk_scale
+        if HAS_K_SCALE:
+            qk = qk * gl.load(k_scale_ptr)
+        return gl.minimum(gl.maximum(qk, -_FLT_MAX), _FLT_MAX)
+
+    @gluon.jit
     def _consumer(q_ptr, stride_qt, stride_qh, stride_qd,
                   k_scale_ptr, v_scale_ptr,
                   out_ptr, stride_ot, stride_oh, stride_od,
@@ -385,24 +403,13 @@ if HAS_GLUON:
                                                      blocks_per_split, n_sel * CPB)
         n = blk_hi - blk_lo
         down = _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB, NQ, CID == 0)
-        if CID == 0:
-            _release(q_ready)  # every warp's part of Q is stored (and fenced) before the first MMA
-        else:
-            mbarrier.wait(q_ready, 0)
-        mbarrier.wait(pages_ready, 0)
-        j_lo = blk_lo // CPB
-
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 32])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
         HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
-
-        # Per-head score factor (base 2): the float scales, the device K scale, the query's power of two.
-        qk = gl.convert_layout(down, HEADS) * qk_scale
-        if HAS_K_SCALE:
-            qk = qk * gl.load(k_scale_ptr)
-        qk = gl.minimum(gl.maximum(qk, -_FLT_MAX), _FLT_MAX)
+        qk = _consumer_start(down, qk_scale, k_scale_ptr, q_ready, pages_ready, HEADS, CID, HAS_K_SCALE)
+        j_lo = blk_lo // CPB
 
         zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
         o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
@@ -558,26 +565,15 @@ if HAS_GLUON:
                                                      blocks_per_split, n_sel * CPB)
         n = blk_hi - blk_lo
         down = _nv_load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB, CID == 0)
-        if CID == 0:
-            _release(q_ready)
-        else:
-            mbarrier.wait(q_ready, 0)
-        mbarrier.wait(pages_ready, 0)
-        j_lo = blk_lo // CPB
-
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
         HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
         SC1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-
-        # Per-head score factor (base 2): the float scales, the device K scale, the query's power of
-        # two, and 2**6 for the expanded K.
-        qk = gl.convert_layout(down, HEADS) * (qk_scale * 64.0)
-        if HAS_K_SCALE:
-            qk = qk * gl.load(k_scale_ptr)
-        qk = gl.minimum(gl.maximum(qk, -_FLT_MAX), _FLT_MAX)
+        # the score factor also undoes the 2**-6 of the expanded K
+        qk = _consumer_start(down, qk_scale * 64.0, k_scale_ptr, q_ready, pages_ready, HEADS, CID, HAS_K_SCALE)
+        j_lo = blk_lo // CPB
 
         zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)
         o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
@@ -764,10 +760,9 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
         raise ValueError(f"config: the Hopper sparse-GQA kernel takes block_h {BLOCK_H}, block_n {BLOCK_N} and "
                          f"num_stages >= 2, not {plan.block_h}, {plan.block_n}, {plan.num_stages}")
     num_tokens, num_q_heads, _ = q.shape
-    num_pages, num_kv_heads, page_size = kv_cache.shape[:3]
-    nvfp4 = kv_cache.dtype == torch.uint8
-    if nvfp4:
-        num_kv_heads //= 2
+    num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
+    nvfp4 = is_nvfp4(kv_cache)
+    num_kv_heads = kv_heads(kv_cache)
     n_sel = topk_pages.shape[2]
     group = num_q_heads // num_kv_heads
     per_split = blocks_per_split(n_sel, page_size, plan)
