@@ -124,6 +124,14 @@ if HAS_GLUON:
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
     @gluon.jit
+    def _free_stage(bar):
+        """Give a ring stage back to the producer: every consumer thread arrives once (``bar`` expects
+        128), right after its last use of the stage (its loads returned, or its MMA wait passed), so the
+        phase completes only when every thread is done; no partition barrier (the producer only
+        overwrites the stage, and each thread's reads precede its arrival)."""
+        async_copy.mbarrier_arrive(bar, increment_count=False)
+
+    @gluon.jit
     def _e4m3_to_f16_scaled(raw):
         return gl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [raw], dtype=gl.float16, is_pure=True,
                                          pack=4)
@@ -343,22 +351,39 @@ if HAS_GLUON:
                 gl.store(ptrs, (o * factor[None, :]).to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
 
     @gluon.jit
-    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, HB: gl.constexpr):
+    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red, HB: gl.constexpr, ROWS4: gl.constexpr):
         """One block's online-softmax step of a consumer, both kernels: the block's scores ``acc``
         (``S^T``, ``[64 keys, HB heads]``) times the per-head factor ``qk`` are base-2 logits (saturated,
         keys not ``valid`` at ``-inf``); returns ``(O^T, m, l_rows)`` after ``O^T += V^T P^T`` with the
-        block's ``V`` tile ``v_tile`` and ``P^T`` staged in ``pt``."""
+        block's ``V`` tile ``v_tile`` and ``P^T`` staged in ``pt``. The block's maximum over its keys
+        takes one partition barrier: each warp reduces its 16 keys in registers and shuffles, writes
+        its 16 partial maxima to ``red`` ([4 warps, HB]), and after the barrier every thread reads the
+        four partials of its heads (the barrier before the ``P V`` MMA keeps the next block's writes
+        after these reads)."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
         u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
         u = gl.where(valid[:, None], u, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(u, axis=0))
+        # [4 partials, HB heads], every partial of a head in the thread that holds the head's scores
+        PARTS: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, HB])
+        red.store(gl.max(gl.reshape(u, [4, 16, HB]), axis=1))
+        _cta_barrier()
+        m_blk = gl.convert_layout(gl.max(red.load(PARTS), axis=0), m_i.type.layout)
+        m_new = gl.maximum(m_i, m_blk)
         m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(u - m_safe[None, :])
-        # the row sums stay per key row (summed over the keys once, after the loop): no cross-warp
+        # the row sums stay per thread (summed over the keys once, after the loop): no cross-warp
         # reduction per block
-        l_rows = l_rows * alpha[None, :] + p
+        # the row sums: per thread, its two key rows of each head added (no shuffle), so [4, 8, HB]
+        if ROWS4:
+            L3: gl.constexpr = l_rows.type.layout
+            a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
+            l_rows = l_rows * a3[None, None, :] + gl.sum(gl.reshape(p, [4, 2, 8, HB]), axis=1)
+        else:
+            l_rows = l_rows * alpha[None, :] + p
         pt.store(p.to(gl.float16))
         fence_async_shared()
         _cta_barrier()  # every warp's part of P^T and of the V tile is stored before any warp's MMA reads them
@@ -391,7 +416,8 @@ if HAS_GLUON:
                   ws_ptr, ws_rows,
                   num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                   qk_scale, v_scale,
-                  qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready, kfree, q_ready, merge_ready,
+                  qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready, ready, kfree, q_ready,
+                  merge_ready,
                   CID: gl.constexpr,
                   CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
                   HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
@@ -426,14 +452,17 @@ if HAS_GLUON:
             acc = warpgroup_mma(k_tile, qs.index(1).permute((1, 0)), acc, is_async=True)
             if NQ == 3:
                 acc = warpgroup_mma(k_tile, qs.index(2).permute((1, 0)), acc, is_async=True)
-            # while the MMA runs: the block's V bytes to the float16 tile (free: this consumer's last P V
-            # completed before the barrier that ended its last block)
-            v_tile.store(_e4m3_to_f16_scaled(vraw.index(s).load(CP)))
+            # while the MMA runs: the block's V bytes to the float16 tile, once every warp's P V MMA of
+            # this consumer's last block has read it (each waited for its own before freeing the stage)
+            v = _e4m3_to_f16_scaled(vraw.index(s).load(CP))
+            _cta_barrier()
+            v_tile.store(v)
             acc = warpgroup_mma_wait(0, deps=(acc,))
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, HB)
-            _release(kfree.index(s))  # every warp's MMA has read the V tile and P^T: the stage is free
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), HB,
+                                         False)
+            _free_stage(kfree.index(s))  # after this thread's MMA wait: its MMAs have read the stage
 
         _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
@@ -475,6 +504,38 @@ if HAS_GLUON:
         return (d // 16) * 16 + (d % 8) * 2 + (d // 8) % 2
 
     @gluon.jit
+    def _nv_kdim(c):
+        """The head dim at column ``c`` of the register K operand (``_nv_kregs``) and of the staged query:
+        ``c = 64 gi + 32 nib + 16 b2 + 8 b1 + 2 lc + b0`` holds dim ``32 lc + 16 gi + 2 b + nib`` (byte
+        ``b = 4 b2 + 2 b1 + b0`` of group ``2 lc + gi``, nibble ``nib``)."""
+        b = ((c >> 2) & 6) | (c & 1)
+        return 32 * ((c >> 1) & 3) + 16 * ((c >> 6) & 1) + 2 * b + ((c >> 5) & 1)
+
+    @gluon.jit
+    def _nv_kregs(dat, sc, stage, A_L: gl.constexpr):
+        """Stage ``stage`` of the K data ring ``dat`` [NR, 64 keys, 64 bytes] with its scales ``sc``
+        [NR, 32, 16] (a key's 8 group scales in a row) as the float16 ``A`` operand of ``S^T = K Q^T``
+        in registers (layout ``A_L``; values times ``2**-6``, columns in ``_nv_kdim`` order). A thread
+        loads the 16 bytes (two groups) of each of its two keys that its ``A`` fragment needs, so the
+        expanded values land in the fragment with no shuffle and no shared-memory round trip."""
+        # [64 keys, 4 lane columns, 2 groups, 8 bytes]: warp w, lane l hold keys 16 w + l // 4 and
+        # + 8, the lane column l % 4 (bytes 16 (l % 4) .. + 15 of each key)
+        DL4: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[0, 0, 0, 1], [0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [8, 0, 0, 0]],
+            lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
+            warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[_BN, 4, 2, 8])
+        RAW4: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
+        SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
+        data = dat.index(stage)._reinterpret(gl.uint8, [_BN, 4, 2, 8], RAW4).load(DL4)
+        scale = sc.index(stage)._reinterpret(gl.uint8, [_BN, 4, 2], SC3).load(gl.SliceLayout(3, DL4))
+        scale = gl.broadcast(gl.expand_dims(scale.to(gl.int32), 3), data)[0]
+        lo, hi = gl.inline_asm_elementwise(_FP4X16_TO_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
+                                           [data, scale], dtype=(gl.float16, gl.float16), is_pure=True, pack=8)
+        v = gl.reshape(gl.join(lo, hi), [_BN, 4, 2, 2, 2, 2, 2])  # (key, lc, gi, b2, b1, b0, nib)
+        v = gl.permute(v, [0, 2, 6, 3, 4, 1, 5])  # (key, gi, nib, b2, b1, lc, b0)
+        return gl.convert_layout(gl.reshape(v, [_BN, 128]), A_L)
+
+    @gluon.jit
     def _nv_issue_block(blk, stage, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, g,
                         kdat, vdat, ksc, vsc, PAGE_SIZE: gl.constexpr, CPB: gl.constexpr):
         """Start the copies of block ``blk`` into stage ``stage``: the 64 keys' K and V data rows (64
@@ -513,7 +574,7 @@ if HAS_GLUON:
         i = hb * HB + gl.arange(0, HB, layout=gl.SliceLayout(1, QL))
         ok = i < group
         h = (g * group + i).to(gl.int64)
-        d = _nv_dim(gl.arange(0, 128, layout=gl.SliceLayout(0, QL))).to(gl.int64)  # as the K tiles' columns
+        d = _nv_kdim(gl.arange(0, 128, layout=gl.SliceLayout(0, QL))).to(gl.int64)  # as K's columns
         x = gl.load(q_ptr + t * stride_qt + h[:, None] * stride_qh + d[None, :] * stride_qd, mask=ok[:, None],
                     other=0.0).to(gl.float32)
         amax = gl.max(gl.abs(x), axis=1)
@@ -553,13 +614,13 @@ if HAS_GLUON:
                      ws_ptr, ws_rows,
                      num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                      qk_scale, v_scale,
-                     qs, kdat, vdat, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys, pages_ready, ready, kfree,
+                     qs, kdat, vdat, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready, ready, kfree,
                      q_ready, merge_ready,
                      CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr,
                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
-        """As ``_consumer``, for an NVFP4 cache: per block it expands K and V into its own float16 tiles
-        (values times ``2**-6``), frees the raw stage, and runs ``S^T = K Q^T`` (float16 ``wgmma``) and
-        ``O^T += V^T P^T``."""
+        """As ``_consumer``, for an NVFP4 cache: per block it expands V into its own float16 tile and K
+        into registers (values times ``2**-6``), frees the raw stage, and runs ``S^T = K Q^T`` (float16
+        ``wgmma``, K from registers) and ``O^T += V^T P^T``."""
         pid = gl.program_id(0)
         t, g, hb, split, blk_lo, blk_hi = _cta_range(pid, num_kv_heads, num_head_blocks, num_splits,
                                                      blocks_per_split, n_sel * CPB)
@@ -578,8 +639,8 @@ if HAS_GLUON:
         zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)
         o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
         m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
-        l_rows = gl.zeros([_BN, HB], gl.float32, layout=S_L)
-        k_tile = kh.index(CID)
+        l_rows = gl.sum(gl.reshape(gl.zeros([_BN, HB], gl.float32, layout=S_L), [4, 2, 8, HB]), axis=1)
+        A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=S_L, k_width=2)
         v_tile = vh.index(CID)
         pt = pt_smem.index(CID)
         for i in range(CID, n, 2):
@@ -588,21 +649,19 @@ if HAS_GLUON:
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
             limit = _block_limit(blk_lo + i, j_lo, page_keys, CPB)
             # K scales: [64 keys, 8 groups], linear; V scales: token-quad order [16 quads, 8 groups, 4].
-            k_sc = ksc.index(s)._reinterpret(gl.uint8, [_BN, 8], SC1)
             v_sc = vsc.index(s)._reinterpret(gl.uint8, [16, 8, 4], SC3).permute((0, 2, 1)).reshape([_BN, 8])
-            _nv_tile(kdat, k_sc, s, limit, k_tile, False)
-            fence_async_shared()
-            _cta_barrier()  # every warp's part of the K tile is stored before the MMA reads it
-            acc = warpgroup_mma(k_tile, qs.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            _nv_tile(vdat, v_sc, s, limit, v_tile, True)  # while the MMA runs
-            _release(kfree.index(s))  # the raw stage is expanded: back to the producer
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            _nv_tile(vdat, v_sc, s, limit, v_tile, True)  # the V tile (read by the P V MMA after a barrier)
+            k_regs = _nv_kregs(kdat, ksc, s, A_L)
+            _free_stage(kfree.index(s))  # this thread's loads of the raw stage are done
+            acc = warpgroup_mma(k_regs, qs.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            acc, k_regs = warpgroup_mma_wait(0, deps=(acc, k_regs))
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, HB)
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), HB,
+                                         True)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
-        _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
-                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
+        _merge_and_store(o, m_i, gl.sum(l_rows, axis=0), t, g, hb, split, group, num_kv_heads, num_splits, v_scale,
+                         v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
                          64.0, CID, HB, HAS_V_SCALE, SPLIT, True)
 
     # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
@@ -633,13 +692,12 @@ if HAS_GLUON:
         PL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=2 * HB, element_bitwidth=16, rank=2)
         RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        if NQ == 0:  # NVFP4: the float16 query, the data and scale rings, each consumer's K tile
+        if NQ == 0:  # NVFP4: the float16 query, the data and scale rings (K goes to registers)
             qs = gl.allocate_shared_memory(gl.float16, [HB, 128], VL)
             kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 64], RAW)
             vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 64], RAW)
             ksc = gl.allocate_shared_memory(gl.uint8, [NR, 32, 16], RAW)
             vsc = gl.allocate_shared_memory(gl.uint8, [NR, 32, 16], RAW)
-            kh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)
         else:  # float8: the query's pieces, the raw K and V rings (K read by the MMA as is)
             KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
             qs = gl.allocate_shared_memory(gl.float8e4nv, [NQ, HB, 128], KL)
@@ -650,6 +708,8 @@ if HAS_GLUON:
         page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
         pt_smem = gl.allocate_shared_memory(gl.float16, [2, _BN, HB], PL)
         ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)  # consumer 1's (m, l)
+        red_smem = gl.allocate_shared_memory(gl.float32, [2, 4, HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0]))  # each consumer's per-warp block maxima
         ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -657,7 +717,7 @@ if HAS_GLUON:
         pages_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NR):
             mbarrier.init(ready.index(s), count=128)  # each producer thread, once its copies of a block landed
-            mbarrier.init(kfree.index(s), count=ARRIVALS)  # the block's consumer: done with the stage
+            mbarrier.init(kfree.index(s), count=128)  # each thread of the block's consumer: done with the stage  # each thread of the block's consumer: done with the stage
         mbarrier.init(q_ready, count=ARRIVALS)  # consumer 0: Q staged
         mbarrier.init(merge_ready, count=ARRIVALS)  # consumer 1: its state handed over
         mbarrier.init(pages_ready, count=ARRIVALS)  # the producer: the split's page table
@@ -667,13 +727,13 @@ if HAS_GLUON:
                 [(_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                                  out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                                  num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                                 qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
+                                 qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
                                  pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, HAS_K_SCALE,
                                  HAS_V_SCALE, SPLIT)),
                  (_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                                  out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                                  num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                                 qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, kh, vh, pt_smem, ml_smem, page_keys,
+                                 qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
                                  pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, HAS_K_SCALE,
                                  HAS_V_SCALE, SPLIT)),
                  (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
@@ -689,13 +749,15 @@ if HAS_GLUON:
                 [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready,
-                              kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+                              qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready,
+                              ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE,
+                              SPLIT)),
                  (_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, page_keys, pages_ready, ready,
-                              kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)),
+                              qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready,
+                              ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE,
+                              SPLIT)),
                  (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
                               topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
                               bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
