@@ -18,8 +18,9 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
     ``S^T = K Q^T`` ``[64 keys, 16 heads]`` with float8 ``wgmma`` straight from the raw K stage, the
     expansion of the block's V bytes to a float16 tile while that runs, the softmax down the key axis
     (which keys the row may see comes from the producer's page table),
-    ``P^T`` to shared memory and ``O^T += V^T P^T`` ``[128 dims, 16 heads]``; then the stage goes back
-    to the producer. The second hands its state to the first, which merges and writes the result.
+    ``P^T`` to shared memory and ``O^T += V^T P^T`` ``[128 dims, 16 heads]``; then each thread gives
+    the stage back to the producer. The second hands its state to the first, which merges and writes
+    the result.
 
 - **Exact products.** ``wgmma`` with float8 operands needs both in float8. The query row is scaled by
   a power of two that brings its largest magnitude into ``[2**7, 2**8)`` and written as a sum of
@@ -35,8 +36,9 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
 
 For an NVFP4 cache (the same kernel, ``NQ = 0``) the structure and the producer are the same;
 its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its consumers
-expand K and V into float16 tiles (``value * scale * 2**-6``, exact) and run float16 ``wgmma``; the
-query is staged as float16 in the tiles' column order (``_nv_dim``).
+expand V into a float16 tile and K straight into the registers of the ``Q K^T`` MMA's A operand
+(``value * scale * 2**-6``, exact) and run float16 ``wgmma``; the query is staged as float16 in K's
+column order (``_nv_kdim``), the V tile's columns are in ``_nv_dim`` order (undone by the epilogue).
 
 Requirements (:func:`supported`; anything else takes the portable kernel): an sm_90 device, a bfloat16
 or float16 query with ``Dh = 128``, a 16-byte aligned cache, and either a float8 value cache whose page,
@@ -355,11 +357,11 @@ if HAS_GLUON:
         """One block's online-softmax step of a consumer, both kernels: the block's scores ``acc``
         (``S^T``, ``[64 keys, HB heads]``) times the per-head factor ``qk`` are base-2 logits (saturated,
         keys not ``valid`` at ``-inf``); returns ``(O^T, m, l_rows)`` after ``O^T += V^T P^T`` with the
-        block's ``V`` tile ``v_tile`` and ``P^T`` staged in ``pt``. The block's maximum over its keys
-        takes one partition barrier: each warp reduces its 16 keys in registers and shuffles, writes
-        its 16 partial maxima to ``red`` ([4 warps, HB]), and after the barrier every thread reads the
-        four partials of its heads (the barrier before the ``P V`` MMA keeps the next block's writes
-        after these reads)."""
+        block's ``V`` tile ``v_tile`` and ``P^T`` staged in ``pt`` (``l_rows`` shaped as ``ROWS4`` says).
+        The block's maximum over its keys takes one partition barrier: each warp reduces its 16 keys in
+        registers and shuffles, writes its 16 partial maxima to ``red`` ([4 warps, HB]), and after the
+        barrier every thread reads the four partials of its heads (the barrier before the ``P V`` MMA
+        keeps the next block's writes after these reads)."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
         u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
@@ -376,8 +378,8 @@ if HAS_GLUON:
         alpha = gl.exp2(m_i - m_safe)
         p = gl.exp2(u - m_safe[None, :])
         # the row sums stay per thread (summed over the keys once, after the loop): no cross-warp
-        # reduction per block
-        # the row sums: per thread, its two key rows of each head added (no shuffle), so [4, 8, HB]
+        # reduction per block; with ROWS4 a thread adds its two key rows of each head as they come
+        # ([4, 8, HB]: 4 registers, not 8; the NVFP4 consumer, which spills less so), else [64, HB]
         if ROWS4:
             L3: gl.constexpr = l_rows.type.layout
             a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
@@ -588,21 +590,20 @@ if HAS_GLUON:
         return down
 
     @gluon.jit
-    def _nv_tile(dat, sc, stage, limit, tile, MASK: gl.constexpr):
-        """Expand stage ``stage`` of a data ring ``dat`` [NR, 64 keys, 64 bytes] with its scales ``sc``
-        (a [64 keys, 8 groups] view) into the float16 ``tile`` [64, 128] (values times ``2**-6``, the
-        columns in ``_nv_dim`` order), the whole block at once (in parts, the compiler would put a
-        barrier between the stores into the tile); with ``MASK`` the scales of the block's keys from
-        ``limit`` on are zeroed (their values become exact zeros)."""
+    def _nv_vtile(dat, sc, stage, limit, tile):
+        """Expand stage ``stage`` of the V data ring ``dat`` [NR, 64 keys, 64 bytes] with its scales
+        ``sc`` (a [64 keys, 8 groups] view) into the float16 ``tile`` [64, 128] (values times ``2**-6``,
+        the columns in ``_nv_dim`` order), the whole block at once (in parts, the compiler would put a
+        barrier between the stores into the tile); the scales of the block's keys from ``limit`` on are
+        zeroed (their values become exact zeros, whatever bytes the cache holds there)."""
         # [64 keys, 8 groups, 8 bytes]: a thread holds groups l and l + 4 of a key (l its lane % 4), so
         # one 16-byte store of a warp covers four different 16-byte columns of each 128-byte swizzle row
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
         RAW3: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
         data = dat.index(stage)._reinterpret(gl.uint8, [_BN, 8, 8], RAW3).load(L3)
         scale = sc.load(gl.SliceLayout(2, L3))
-        if MASK:
-            keys = gl.arange(0, _BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-            scale = gl.where((keys < limit)[:, None], scale, gl.zeros_like(scale))
+        keys = gl.arange(0, _BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
+        scale = gl.where((keys < limit)[:, None], scale, gl.zeros_like(scale))
         scale = gl.broadcast(gl.expand_dims(scale.to(gl.int32), 2), data)[0]
         vals = _fp4_expand(data, scale)  # [64, 8 groups, 2 nibbles, 8 bytes]: columns as _nv_dim
         tile.store(gl.reshape(vals, [_BN, 128]))
@@ -630,7 +631,6 @@ if HAS_GLUON:
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
         HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
-        SC1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
         # the score factor also undoes the 2**-6 of the expanded K
         qk = _consumer_start(down, qk_scale * 64.0, k_scale_ptr, q_ready, pages_ready, HEADS, CID, HAS_K_SCALE)
@@ -650,7 +650,7 @@ if HAS_GLUON:
             limit = _block_limit(blk_lo + i, j_lo, page_keys, CPB)
             # K scales: [64 keys, 8 groups], linear; V scales: token-quad order [16 quads, 8 groups, 4].
             v_sc = vsc.index(s)._reinterpret(gl.uint8, [16, 8, 4], SC3).permute((0, 2, 1)).reshape([_BN, 8])
-            _nv_tile(vdat, v_sc, s, limit, v_tile, True)  # the V tile (read by the P V MMA after a barrier)
+            _nv_vtile(vdat, v_sc, s, limit, v_tile)  # the V tile (read by the P V MMA after a barrier)
             k_regs = _nv_kregs(kdat, ksc, s, A_L)
             _free_stage(kfree.index(s))  # this thread's loads of the raw stage are done
             acc = warpgroup_mma(k_regs, qs.permute((1, 0)), zero_s, use_acc=False, is_async=True)

@@ -1508,7 +1508,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS)=(\d+)", row)}
         assert re.search(r"maxnreg=\['80'\]", row), row
         assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
-        # the NVFP4 kernel expands K and V in its consumers: 48-56 bytes of spill stores with triton 3.6, 48-64 with 3.7.1
+        # the NVFP4 kernel expands K and V in its consumers: 88-96 bytes of spill stores with triton 3.6, 64-76 with 3.7.1
         assert spill_stores <= (128 if nvfp4 else 64), row
         # float8: float8 Q K^T and float16 P V; NVFP4: float16 for both
         assert counts["HGMMA"] > 0 and (counts["QGMMA"] == 0 if nvfp4 else counts["QGMMA"] > 0), row
