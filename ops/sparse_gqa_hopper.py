@@ -426,7 +426,9 @@ if HAS_GLUON:
         """Consumer ``CID`` (0 or 1): blocks ``CID, CID + 2, ...`` of the split, with its own online
         softmax; consumer 0 stages Q, merges consumer 1's state into its own and writes the result."""
         pid = gl.program_id(0)
-        CP: gl.constexpr = gl.BlockedLayout([1, 16], [4, 8], [4, 1], [1, 0])
+        # a warp expands 8 rows x 64 bytes of the (swizzled) raw V stage at a time: its 16-byte loads and
+        # its 16-byte stores into the float16 tile cover every bank group once per wavefront
+        CP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         t, g, hb, split, blk_lo, blk_hi = _cta_range(pid, num_kv_heads, num_head_blocks, num_splits,
                                                      blocks_per_split, n_sel * CPB)
         n = blk_hi - blk_lo
@@ -702,7 +704,7 @@ if HAS_GLUON:
             KL: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=8, rank=2)
             qs = gl.allocate_shared_memory(gl.float8e4nv, [NQ, HB, 128], KL)
             kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)
-            vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], RAW)
+            vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)  # swizzled too: see _consumer
         vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
         page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)  # the split's pages (producer)
         page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
