@@ -662,9 +662,9 @@ if HAS_GLUON:
                                          True)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
-        _merge_and_store(o, m_i, gl.sum(l_rows, axis=0), t, g, hb, split, group, num_kv_heads, num_splits, v_scale,
-                         v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
-                         64.0, CID, HB, HAS_V_SCALE, SPLIT, True)
+        _merge_and_store(o, m_i, gl.sum(l_rows, axis=0), t, g, hb, split, group, num_kv_heads, num_splits,
+                         v_scale, v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem,
+                         merge_ready, 64.0, CID, HB, HAS_V_SCALE, SPLIT, True)
 
     # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
     # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
@@ -719,7 +719,7 @@ if HAS_GLUON:
         pages_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         for s in gl.static_range(NR):
             mbarrier.init(ready.index(s), count=128)  # each producer thread, once its copies of a block landed
-            mbarrier.init(kfree.index(s), count=128)  # each thread of the block's consumer: done with the stage  # each thread of the block's consumer: done with the stage
+            mbarrier.init(kfree.index(s), count=128)  # each thread of the block's consumer: done with the stage
         mbarrier.init(q_ready, count=ARRIVALS)  # consumer 0: Q staged
         mbarrier.init(merge_ready, count=ARRIVALS)  # consumer 1: its state handed over
         mbarrier.init(pages_ready, count=ARRIVALS)  # the producer: the split's page table
