@@ -666,6 +666,30 @@ if HAS_GLUON:
                          v_scale, v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem,
                          merge_ready, 64.0, CID, HB, HAS_V_SCALE, SPLIT, True)
 
+    @gluon.jit
+    def _any_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                      out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                      num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                      qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
+                      pages_ready, ready, kfree, q_ready, merge_ready,
+                      CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
+                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
+        """Consumer ``CID`` of either kernel: ``_nv_consumer`` for an NVFP4 cache (``NQ = 0``), else
+        ``_consumer`` (``ksc`` / ``vsc`` unused)."""
+        if NQ == 0:
+            _nv_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                         num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                         qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
+                         pages_ready, ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, HAS_K_SCALE,
+                         HAS_V_SCALE, SPLIT)
+        else:
+            _consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                      out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
+                      num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
+                      qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready,
+                      ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)
+
     # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
     # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
     # (found on an H200 with a one-page list).
@@ -705,6 +729,7 @@ if HAS_GLUON:
             qs = gl.allocate_shared_memory(gl.float8e4nv, [NQ, HB, 128], KL)
             kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)
             vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)  # swizzled too: see _consumer
+            ksc, vsc = kraw, vraw  # no scale rings (the partitions' shared argument lists name them)
         vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
         page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)  # the split's pages (producer)
         page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
@@ -724,50 +749,27 @@ if HAS_GLUON:
         mbarrier.init(merge_ready, count=ARRIVALS)  # consumer 1: its state handed over
         mbarrier.init(pages_ready, count=ARRIVALS)  # the producer: the split's page table
         fence_async_shared()
-        if NQ == 0:
-            gl.warp_specialize(
-                [(_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                                 out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                                 num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                                 qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
-                                 pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, HAS_K_SCALE,
-                                 HAS_V_SCALE, SPLIT)),
-                 (_nv_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
-                                 out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
-                                 num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                                 qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
-                                 pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, HAS_K_SCALE,
-                                 HAS_V_SCALE, SPLIT)),
-                 (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
-                              topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                              bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                              num_pages, num_req, max_blocks, n_sel,
-                              num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                              kraw, vraw, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
-                              PAGE_SIZE, CPB, NR, BLOCK_SEL, True))],
-                [4, 4], WORKER_REGS)
-        else:
-            gl.warp_specialize(
-                [(_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+        gl.warp_specialize(
+            [(_any_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready,
-                              ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE,
-                              SPLIT)),
-                 (_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
+                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
+                              pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE,
+                              HAS_V_SCALE, SPLIT)),
+             (_any_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready,
-                              ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE,
-                              SPLIT)),
-                 (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
-                              topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
-                              bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
-                              num_pages, num_req, max_blocks, n_sel,
-                              num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
-                              kraw, vraw, kraw, vraw, page_phys, page_keys, pages_ready, ready, kfree,
-                              PAGE_SIZE, CPB, NR, BLOCK_SEL, False))],
-                [4, 4], WORKER_REGS)
+                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
+                              pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE,
+                              HAS_V_SCALE, SPLIT)),
+             (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
+                          topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
+                          bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
+                          num_pages, num_req, max_blocks, n_sel,
+                          num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
+                          kraw, vraw, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
+                          PAGE_SIZE, CPB, NR, BLOCK_SEL, NQ == 0))],
+            [4, 4], WORKER_REGS)
 
 # =====================================================================================================
 # host side
