@@ -442,6 +442,12 @@ if HAS_GLUON:
         j_lo = blk_lo // CPB
 
         zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
+        # a bfloat16 query's two pieces in one MMA (N = 2 HB: K read once), summed per head afterwards
+        SQ_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 2 * HB, 32])
+        zero_q = gl.zeros([_BN, 2 * HB], gl.float32, layout=SQ_L)  # ignored (use_acc=False)
+        if NQ == 2:
+            q_two = qs._reinterpret(gl.float8e4nv, [2 * HB, 128], KL)
         o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
         m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
         l_rows = gl.zeros([_BN, HB], gl.float32, layout=S_L)
@@ -452,16 +458,22 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(s), (i // NR) & 1)
             fence_async_shared()  # the stage's copies (generic proxy) before the MMA reads them
             k_tile = kraw.index(s)._reinterpret(gl.float8e4nv, [_BN, 128], KL)
-            acc = warpgroup_mma(k_tile, qs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-            acc = warpgroup_mma(k_tile, qs.index(1).permute((1, 0)), acc, is_async=True)
-            if NQ == 3:
+            if NQ == 2:
+                accq = warpgroup_mma(k_tile, q_two.permute((1, 0)), zero_q, use_acc=False, is_async=True)
+            else:  # float16: three pieces (N = 48 is no power of two), chained
+                acc = warpgroup_mma(k_tile, qs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                acc = warpgroup_mma(k_tile, qs.index(1).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma(k_tile, qs.index(2).permute((1, 0)), acc, is_async=True)
             # while the MMA runs: the block's V bytes to the float16 tile, once every warp's P V MMA of
             # this consumer's last block has read it (each waited for its own before freeing the stage)
             v = _e4m3_to_f16_scaled(vraw.index(s).load(CP))
             _cta_barrier()
             v_tile.store(v)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            if NQ == 2:
+                accq = warpgroup_mma_wait(0, deps=(accq,))
+                acc = gl.convert_layout(gl.sum(gl.reshape(accq, [_BN, 2, HB]), axis=1), S_L)
+            else:
+                acc = warpgroup_mma_wait(0, deps=(acc,))
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
 
             o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), HB,
