@@ -91,6 +91,8 @@ _WORKER_REGS_T = 96
 if HAS_GLUON:
     _BH = gl.constexpr(BLOCK_H)
     _BN = gl.constexpr(BLOCK_N)
+    # bf16 (`auto`) row copies: [64 rows, 64 bf16] per chunk, a warp instruction takes 4 rows x 128 bytes
+    _GB = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0]))
     _FLT_MAX = gl.constexpr(3.4028234663852886e38)
     _LN2 = gl.constexpr(0.6931471805599453)
 
@@ -203,15 +205,19 @@ if HAS_GLUON:
     def _block_slots(blk, t, nb_main, n_main, n_extra,
                      cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                      xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt, stride_xk,
-                     HAS_EXTRA: gl.constexpr):
+                     HAS_EXTRA: gl.constexpr, KV_FORMAT: gl.constexpr):
         """The 64 slot ids of block ``blk`` (-1 past the list's used length; a block past the end loads
-        nothing): loaded one block ahead, so the index round trip is off the critical path."""
-        G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
+        nothing): loaded one block ahead, so the index round trip is off the critical path. For the bf16
+        format in the row layout of its copies (no layout change in :func:`_issue_block`)."""
+        if KV_FORMAT == 0:
+            ROWS: gl.constexpr = gl.SliceLayout(1, _GB)
+        else:
+            ROWS: gl.constexpr = gl.SliceLayout(1, gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0]))
         c_ptr, c_sp, c_sr, c_ps, c_ns, i_ptr, i_st, n_used, first = _block_list(
             blk, t, nb_main, n_main, n_extra, cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr,
             stride_it, stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
             stride_xk, HAS_EXTRA)
-        offs = first + gl.arange(0, _BN, layout=gl.SliceLayout(1, G8))
+        offs = first + gl.arange(0, _BN, layout=ROWS)
         in_list = offs < n_used
         return gl.load(i_ptr + offs.to(gl.int64) * i_st, mask=in_list, other=-1)
 
@@ -245,18 +251,20 @@ if HAS_GLUON:
         row = slot - page * c_ps
         valid_smem.index(stage).store(valid.to(gl.int8))
         kn = knope.index(stage)
-        vmask8 = valid[:, None]
-        valid16 = gl.convert_layout(valid, ROWS16)
-        vmask16 = valid16[:, None]
-        cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
         cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
+        if KV_FORMAT != 0:
+            vmask8 = valid[:, None]
+            vmask16 = gl.convert_layout(valid, ROWS16)[:, None]
+            cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
         if KV_FORMAT == 0:
-            rbase = gl.convert_layout(page * c_sp + row * c_sr, ROWS16)
-            ptrs = c_ptr + rbase[:, None] + cols16[None, :]
+            # a warp instruction copies 4 rows x 128 bytes (one swizzle row of each), in _GB
+            rbase = page * c_sp + row * c_sr
+            ptrs = c_ptr + rbase[:, None] + gl.arange(0, 64, layout=gl.SliceLayout(0, _GB))[None, :]
+            vmask = valid[:, None]
             for c in gl.static_range(8):
-                async_copy.async_copy_global_to_shared(kn.slice(64 * c, 64, dim=1), ptrs + 64 * c, mask=vmask16)
+                async_copy.async_copy_global_to_shared(kn.slice(64 * c, 64, dim=1), ptrs + 64 * c, mask=vmask)
             if D == 576:
-                async_copy.async_copy_global_to_shared(krope.index(stage), ptrs + 512, mask=vmask16)
+                async_copy.async_copy_global_to_shared(krope.index(stage), ptrs + 512, mask=vmask)
         elif KV_FORMAT == 1:
             # fp8_656 record: 512 e4m3 bytes, 4 float32 scales, 64 bf16 values (656 bytes per token).
             raw = kn._reinterpret(gl.uint8, [16, _BN, 64], RAW)  # staging: raw chunk c at index 8 + c
@@ -364,7 +372,7 @@ if HAS_GLUON:
         slots = _block_slots(blk_lo, t, nb_main, n_main, n_extra,
                              cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                              xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                             stride_xk, HAS_EXTRA)
+                             stride_xk, HAS_EXTRA, KV_FORMAT)
         if n > 0:
             _issue_block(blk_lo, 0, slots, t, nb_main, n_main, n_extra,
                          cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
@@ -373,7 +381,7 @@ if HAS_GLUON:
         slots = _block_slots(blk_lo + 1, t, nb_main, n_main, n_extra,
                              cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it, stride_ik,
                              xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
-                             stride_xk, HAS_EXTRA)
+                             stride_xk, HAS_EXTRA, KV_FORMAT)
         for i in range(0, n):
             stage = i % 2
             async_copy.wait_group(0)  # block i has landed
@@ -392,7 +400,7 @@ if HAS_GLUON:
                 slots = _block_slots(blk_lo + i + 2, t, nb_main, n_main, n_extra,
                                      cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr, stride_it,
                                      stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr,
-                                     stride_xt, stride_xk, HAS_EXTRA)
+                                     stride_xt, stride_xk, HAS_EXTRA, KV_FORMAT)
 
     @gluon.jit
     def _ue8m0_to_bf16(e):
