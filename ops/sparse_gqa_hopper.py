@@ -441,13 +441,13 @@ if HAS_GLUON:
         qk = _consumer_start(down, qk_scale, k_scale_ptr, q_ready, pages_ready, HEADS, CID, HAS_K_SCALE)
         j_lo = blk_lo // CPB
 
-        zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
-        # a bfloat16 query's two pieces in one MMA (N = 2 HB: K read once), summed per head afterwards
-        SQ_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, 2 * HB, 32])
-        zero_q = gl.zeros([_BN, 2 * HB], gl.float32, layout=SQ_L)  # ignored (use_acc=False)
-        if NQ == 2:
+        if NQ == 2:  # a bfloat16 query's two pieces in one MMA (N = 2 HB: K read once), summed per head after
+            SQ_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, 2 * HB, 32])
+            zero_q = gl.zeros([_BN, 2 * HB], gl.float32, layout=SQ_L)  # ignored (use_acc=False)
             q_two = qs._reinterpret(gl.float8e4nv, [2 * HB, 128], KL)
+        else:
+            zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
         o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
         m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
         l_rows = gl.zeros([_BN, HB], gl.float32, layout=S_L)
