@@ -6,8 +6,8 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
 
 - **One CTA per (row, KV head, block of 16 query heads, split).** A block is 64 keys of one selected
   page (``cdiv(page_size, 64)`` blocks per page); a split is a range of blocks (at most 64 pages).
-- **Three partitions** (``gl.warp_specialize``; 80 registers per thread and ~108 KB of shared memory,
-  so two CTAs fit on an SM):
+- **Three partitions** (``gl.warp_specialize``; 80 registers per thread and 75 KB (float8) or 83 KB
+  (NVFP4) of shared memory, so two CTAs fit on an SM):
 
   - *producer* (4 warps): resolves the split's page list up front into a shared-memory table
     (physical page and visible key count of each selected page), then per block copies the 64 K rows
@@ -15,12 +15,13 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
     a ring of ``NUM_STAGES`` raw stages, up to ``NUM_STAGES`` blocks ahead; each thread's
     ``cp.async.mbarrier.arrive`` hands a block over once its copies have landed. It only copies.
   - *two consumers* (4 warps each) take alternate blocks, each with its own online softmax: per block
-    ``S^T = K Q^T`` ``[64 keys, 16 heads]`` with float8 ``wgmma`` straight from the raw K stage, the
-    expansion of the block's V bytes to a float16 tile while that runs, the softmax down the key axis
-    (which keys the row may see comes from the producer's page table),
-    ``P^T`` to shared memory and ``O^T += V^T P^T`` ``[128 dims, 16 heads]``; then each thread gives
-    the stage back to the producer. The second hands its state to the first, which merges and writes
-    the result.
+    ``S^T = K Q^T`` ``[64 keys, 16 heads]`` with float8 ``wgmma`` straight from the raw K stage and,
+    while that runs, the block's V bytes converted into the registers of the ``A`` operand of
+    ``O^T += V^T P^T`` (``_v_regs``); then each thread gives the stage back to the producer, and runs
+    the softmax down the key axis (which keys the row may see comes from the producer's page table),
+    ``P^T`` to shared memory and ``O^T += V^T P^T`` ``[128 dims, 16 heads]``. The second hands its
+    state to the first (through a ring stage nothing uses any more), which merges and writes the
+    result.
 
 - **Exact products.** ``wgmma`` with float8 operands needs both in float8. The query row is scaled by
   a power of two that brings its largest magnitude into ``[2**7, 2**8)`` and written as a sum of
@@ -28,9 +29,8 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
   (what the first leaves of a bfloat16 value has at most 4 significant bits), three for float16.
   Every element of at least ``2**-9`` (bfloat16) or ``2**-6`` (float16) of its row's largest is then
   represented exactly, smaller ones to within ``2**-18`` of the largest (e4m3's subnormal grid). The
-  products accumulate in float32. V values are exact in float16: the expansion writes ``v * 2**-8``
-  (the e4m3 sign, exponent and mantissa bits moved into a float16), the epilogue multiplies by
-  ``2**8``; ``P`` is rounded to float16.
+  products accumulate in float32. V values are exact in float16 (the hardware conversion
+  ``cvt.rn.f16x2.e4m3x2``); ``P`` is rounded to float16.
 - **Split-K** writes the partials of the portable kernel (``m``, ``l``, ``acc`` rows of
   ``ops/sparse_gqa.py``), which its combine kernel merges.
 
@@ -75,10 +75,11 @@ BLOCK_H = 16  # query heads per CTA (larger groups take several head blocks)
 HEAD_DIM = 128
 NUM_STAGES = 4  # raw stages of the ring: up to NUM_STAGES blocks in flight
 # Registers per thread: the kernel's (two CTAs of 12 warps per SM) and the worker partitions' (the second
-# consumer, the producer; setmaxnreg), the first consumer (the default partition) gets the rest.
+# consumer, the producer; setmaxnreg), the first consumer (the default partition) gets the rest: 96, as
+# the second (the producer needs fewer than 48; with 88 for the second consumer it spilled in its loop).
 _MAXNREG = 80
-_WORKER_REGS = (88, 56)
-# CTAs the plan aims at per SM (registers and ~108 KB of shared memory per CTA allow two)
+_WORKER_REGS = (96, 48)
+# CTAs the plan aims at per SM (registers and 75-83 KB of shared memory per CTA allow two)
 _CTAS_PER_SM = 2
 # Fewest blocks a split keeps (a split of one block has nothing to overlap its copies with).
 _MIN_BLOCKS_PER_SPLIT = 2
@@ -88,25 +89,6 @@ _MAX_PAGES_PER_SPLIT = 64
 if HAS_GLUON:
     _BN = gl.constexpr(BLOCK_N)
     _FLT_MAX = gl.constexpr(3.4028234663852886e38)
-
-    # Four e4m3 bytes -> four float16 values times 2**-8, with integer instructions: each byte goes to the
-    # high byte of a 16-bit lane (sign at bit 15, exponent and mantissa at bits 8-14), and subtracting
-    # half of the exponent-and-mantissa field moves it down one bit (bits 7-13) while the sign stays. The
-    # result is the float16 with exponent field = e4m3 exponent field and the mantissa's top 3 bits =
-    # e4m3 mantissa, i.e. the value times 2**-8 (subnormals included); e4m3 NaN becomes +-1.875.
-    _E4M3X4_TO_F16X4 = gl.constexpr("""
-    {
-    .reg .b32 t0, t1, u0, u1;
-    prmt.b32 t0, $2, 0, 0x1404;
-    prmt.b32 t1, $2, 0, 0x3424;
-    and.b32 u0, t0, 0x7F007F00;
-    and.b32 u1, t1, 0x7F007F00;
-    shr.b32 u0, u0, 1;
-    shr.b32 u1, u1, 1;
-    sub.u32 $0, t0, u0;
-    sub.u32 $1, t1, u1;
-    }
-    """)
 
     # Hand-offs between partitions. A partition barrier followed by one thread's ``mbarrier.arrive``
     # orders every thread's shared-memory accesses before the waiting partition's (PTX's causality order
@@ -133,10 +115,47 @@ if HAS_GLUON:
         overwrites the stage, and each thread's reads precede its arrival)."""
         async_copy.mbarrier_arrive(bar, increment_count=False)
 
+    # Two e4m3 words of keys k and k + 1 (bytes: dims 4 w .. 4 w + 3) -> four float16x2 registers, the
+    # j-th holding dim 4 w + j of key k (low half) and of key k + 1 (high half): two byte permutes pair
+    # the keys' bytes, the hardware converts two at a time (exact: every e4m3 value is a float16 value).
+    _E4M3_PAIRS_TO_F16X2 = gl.constexpr(
+        "{\n.reg .b32 x01, x23;\n.reg .b16 l0, h0, l1, h1;\n"
+        "prmt.b32 x01, $4, $5, 0x5140;\nprmt.b32 x23, $4, $5, 0x7362;\n"
+        "mov.b32 {l0, h0}, x01;\nmov.b32 {l1, h1}, x23;\n"
+        "cvt.rn.f16x2.e4m3x2 $0, l0;\ncvt.rn.f16x2.e4m3x2 $1, h0;\n"
+        "cvt.rn.f16x2.e4m3x2 $2, l1;\ncvt.rn.f16x2.e4m3x2 $3, h1;\n}\n")
+
     @gluon.jit
-    def _e4m3_to_f16_scaled(raw):
-        return gl.inline_asm_elementwise(_E4M3X4_TO_F16X4, "=r,=r,r", [raw], dtype=gl.float16, is_pure=True,
-                                         pack=4)
+    def _vreg_dim(r):
+        """The head dim held at row ``r`` of ``O^T`` (and of the register V operand, ``_v_regs``): rows
+        ``r = 64 b6 + 32 b5 + 16 b4 + 8 b3 + r3`` hold dim ``4 (r3 + 8 b4 + 16 b5) + b3 + 2 b6``."""
+        return 4 * ((r & 7) + ((r >> 4) & 3) * 8) + ((r >> 3) & 1) + ((r >> 6) & 1) * 2
+
+    @gluon.jit
+    def _v_regs(vraw, stage, A_L: gl.constexpr):
+        """Stage ``stage`` of the raw V ring (``[64 keys, 128]`` e4m3 bytes in the 128-byte swizzle) as
+        the float16 ``A`` operand of ``O^T += V^T P^T`` in registers (layout ``A_L``, rows in
+        ``_vreg_dim`` order): no float16 tile, no barrier before it is written, half the shared-memory
+        traffic of the tile. A thread loads the 4-byte words (four dims of one key) its fragment needs,
+        keys ``k`` and ``k + 1`` in consecutive registers, and pairs them in the conversion, so the values
+        land in the fragment with no shuffle (the fragment's four rows of a thread are four consecutive
+        dims); the loads meet no bank conflict (in a warp the four keys of an instruction are 2 apart,
+        and the swizzle spreads them)."""
+        # [64 keys, 32 words]: registers keys +1 / +8 / +16 / +32, lanes keys +2 / +4 then words +1 / +2
+        # / +4, warps words +8 / +16
+        LW: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [8, 0], [16, 0], [32, 0]],
+            lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
+            warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[_BN, 32])
+        W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
+        w = vraw.index(stage)._reinterpret(gl.int32, [_BN, 32], W32).load(LW)
+        o0, o1, o2, o3 = gl.inline_asm_elementwise(_E4M3_PAIRS_TO_F16X2, "=r,=r,=r,=r,r,r", [w],
+                                                   dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
+                                                   is_pure=True, pack=2)
+        v = gl.join(gl.join(o0, o1), gl.join(o2, o3))  # [64, 32 words, j0, j1]: dim 4 w + 2 j1 + j0
+        v = gl.reshape(gl.permute(v, [0, 1, 3, 2]), [_BN, 2, 2, 2, 2, 2, 2, 2])  # key, dim bits 6 .. 0
+        v = gl.permute(v, [6, 1, 2, 7, 3, 4, 5, 0])  # row bits 6 .. 0 (_vreg_dim), key
+        return gl.convert_layout(gl.reshape(v, [128, _BN]), A_L)
 
     @gluon.jit
     def _cta_range(pid, num_kv_heads, num_head_blocks, num_splits, blocks_per_split, n_blocks):
@@ -300,17 +319,21 @@ if HAS_GLUON:
                          v_mult: gl.constexpr, CID: gl.constexpr, HB: gl.constexpr, HAS_V_SCALE: gl.constexpr,
                          SPLIT: gl.constexpr, NV_DIMS: gl.constexpr):
         """The end of consumer ``CID``: the second hands its state ``(m, l, O^T)`` to the first, which
-        merges it into its own and writes the output (or the split's partials); the V tiles held the
-        values divided by ``v_mult``, with ``NV_DIMS`` their columns (the rows of ``O^T``) in ``_nv_dim``
-        order."""
+        merges it into its own and writes the output (or the split's partials); the V values were
+        divided by ``v_mult``; the rows of ``O^T`` hold the dims in ``_nv_dim`` order (``NV_DIMS`` 1,
+        NVFP4) or in ``_vreg_dim`` order (2, float8)."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
         m_o = gl.convert_layout(m_i, HEADS_O)
         l_o = gl.convert_layout(gl.sum(l_rows, axis=0), HEADS_O)
         heads = hb * HB + gl.arange(0, HB, layout=HEADS_O)
-        # consumer 1 hands (m, l, O^T) over through shared memory (O^T in its V tile, now unused)
-        o_smem = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
-            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        # consumer 1 hands (m, l, O^T) over through shared memory: O^T in its V tile, now unused (NVFP4),
+        # or in the ring stage the float8 consumer passes as ``vh``
+        if NV_DIMS == 2:
+            o_smem = vh
+        else:
+            o_smem = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         ml = ml_smem._reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[0]))
         if CID == 1:
@@ -330,12 +353,14 @@ if HAS_GLUON:
             o = o * a0[None, :] + o_smem.load(O_L) * a1[None, :]
             m_o = m_all
         if CID == 0:
-            # Epilogue: O^T [128 dims, HB]; the V tiles held v / v_mult.
+            # Epilogue: O^T [128 dims, HB]; the V operand held v / v_mult.
             head_ok = heads < group
             h = (g * group + heads).to(gl.int64)
             dims = gl.arange(0, 128, layout=gl.SliceLayout(1, O_L))
-            if NV_DIMS:
+            if NV_DIMS == 1:
                 dims = _nv_dim(dims)
+            else:
+                dims = _vreg_dim(dims)
             dims = dims.to(gl.int64)
             o = o * v_mult
             if SPLIT:
@@ -353,11 +378,13 @@ if HAS_GLUON:
                 gl.store(ptrs, (o * factor[None, :]).to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
 
     @gluon.jit
-    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red, HB: gl.constexpr, ROWS4: gl.constexpr):
+    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red, HB: gl.constexpr, ROWS4: gl.constexpr,
+                    V_REGS: gl.constexpr):
         """One block's online-softmax step of a consumer, both kernels: the block's scores ``acc``
         (``S^T``, ``[64 keys, HB heads]``) times the per-head factor ``qk`` are base-2 logits (saturated,
         keys not ``valid`` at ``-inf``); returns ``(O^T, m, l_rows)`` after ``O^T += V^T P^T`` with the
-        block's ``V`` tile ``v_tile`` and ``P^T`` staged in ``pt`` (``l_rows`` shaped as ``ROWS4`` says).
+        block's ``V`` tile ``v_tile`` (with ``V_REGS``: ``V^T`` itself, the register operand) and ``P^T``
+        staged in ``pt`` (``l_rows`` shaped as ``ROWS4`` says).
         The block's maximum over its keys takes one partition barrier: each warp reduces its 16 keys in
         registers and shuffles, writes its 16 partial maxima to ``red`` ([4 warps, HB]), and after the
         barrier every thread reads the four partials of its heads (the barrier before the ``P V`` MMA
@@ -388,10 +415,14 @@ if HAS_GLUON:
             l_rows = l_rows * alpha[None, :] + p
         pt.store(p.to(gl.float16))
         fence_async_shared()
-        _cta_barrier()  # every warp's part of P^T and of the V tile is stored before any warp's MMA reads them
+        _cta_barrier()  # every warp's part of P^T (and of a V tile) is stored before any warp's MMA reads them
         a = gl.convert_layout(alpha, HEADS_O)[None, :]
-        o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
-        o = warpgroup_mma_wait(0, deps=(o,))
+        if V_REGS:
+            o = warpgroup_mma(v_tile, pt, o * a, is_async=True)
+            o, v_tile = warpgroup_mma_wait(0, deps=(o, v_tile))
+        else:
+            o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
+            o = warpgroup_mma_wait(0, deps=(o,))
         return o, m_new, l_rows
 
     @gluon.jit
@@ -426,9 +457,6 @@ if HAS_GLUON:
         """Consumer ``CID`` (0 or 1): blocks ``CID, CID + 2, ...`` of the split, with its own online
         softmax; consumer 0 stages Q, merges consumer 1's state into its own and writes the result."""
         pid = gl.program_id(0)
-        # a warp expands 8 rows x 64 bytes of the (swizzled) raw V stage at a time: its 16-byte loads and
-        # its 16-byte stores into the float16 tile cover every bank group once per wavefront
-        CP: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         t, g, hb, split, blk_lo, blk_hi = _cta_range(pid, num_kv_heads, num_head_blocks, num_splits,
                                                      blocks_per_split, n_sel * CPB)
         n = blk_hi - blk_lo
@@ -451,7 +479,7 @@ if HAS_GLUON:
         o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
         m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
         l_rows = gl.zeros([_BN, HB], gl.float32, layout=S_L)
-        v_tile = vh.index(CID)
+        VA_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         pt = pt_smem.index(CID)
         for i in range(CID, n, 2):
             s = i % NR
@@ -464,27 +492,29 @@ if HAS_GLUON:
                 acc = warpgroup_mma(k_tile, qs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
                 acc = warpgroup_mma(k_tile, qs.index(1).permute((1, 0)), acc, is_async=True)
                 acc = warpgroup_mma(k_tile, qs.index(2).permute((1, 0)), acc, is_async=True)
-            # while the MMA runs: the block's V bytes to the float16 tile, once every warp's P V MMA of
-            # this consumer's last block has read it (each waited for its own before freeing the stage)
-            v = _e4m3_to_f16_scaled(vraw.index(s).load(CP))
-            _cta_barrier()
-            v_tile.store(v)
+            # while the MMA runs: the block's V bytes into registers, as the A operand of P V
+            v_regs = _v_regs(vraw, s, VA_L)
             if NQ == 2:
                 accq = warpgroup_mma_wait(0, deps=(accq,))
                 acc = gl.convert_layout(gl.sum(gl.reshape(accq, [_BN, 2, HB]), axis=1), S_L)
             else:
                 acc = warpgroup_mma_wait(0, deps=(acc,))
+            # after this thread's MMA wait (its MMAs have read K) and its V loads: done with the stage
+            _free_stage(kfree.index(s))
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), HB,
-                                         False)
-            _free_stage(kfree.index(s))  # after this thread's MMA wait: its MMAs have read the stage
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_regs, pt, red_smem.index(CID), HB,
+                                         False, True)
 
+        # Consumer 1's O^T goes to the K stage of its last block (block 1's, which no block uses, when it
+        # had none): a stage is used by blocks s, s + NR, ..., the last of which is that block, so
+        # neither the producer nor consumer 0 touches it again.
+        last1 = gl.where(n >= 2, (n - 2) | 1, 1)
+        o_buf = kraw.index(last1 % NR)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
-                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
-                         256.0, CID, HB, HAS_V_SCALE, SPLIT, False)
-
-
+                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, o_buf, ml_smem, merge_ready,
+                         1.0, CID, HB, HAS_V_SCALE, SPLIT, 2)
 
     # -------------------------------------------------------------------------------------------------
     # NVFP4 caches (docs/sparse_gqa.md, "NVFP4 on the same structure")
@@ -671,12 +701,12 @@ if HAS_GLUON:
             acc, k_regs = warpgroup_mma_wait(0, deps=(acc, k_regs))
 
             o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), HB,
-                                         True)
+                                         True, False)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
         _merge_and_store(o, m_i, gl.sum(l_rows, axis=0), t, g, hb, split, group, num_kv_heads, num_splits,
                          v_scale, v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem,
-                         merge_ready, 64.0, CID, HB, HAS_V_SCALE, SPLIT, True)
+                         merge_ready, 64.0, CID, HB, HAS_V_SCALE, SPLIT, 1)
 
     @gluon.jit
     def _any_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
@@ -742,7 +772,10 @@ if HAS_GLUON:
             kraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)
             vraw = gl.allocate_shared_memory(gl.uint8, [NR, _BN, 128], KL)  # swizzled too: see _consumer
             ksc, vsc = kraw, vraw  # no scale rings (the partitions' shared argument lists name them)
-        vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
+        if NQ == 0:
+            vh = gl.allocate_shared_memory(gl.float16, [2, _BN, 128], VL)  # one float16 V tile per consumer
+        else:  # float8: V goes to registers (consumer 1's O^T goes through a ring stage at the end)
+            vh = kraw
         page_phys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)  # the split's pages (producer)
         page_keys = gl.allocate_shared_memory(gl.int32, [BLOCK_SEL, 1], VL1)
         pt_smem = gl.allocate_shared_memory(gl.float16, [2, _BN, HB], PL)

@@ -1508,8 +1508,9 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS)=(\d+)", row)}
         assert re.search(r"maxnreg=\['80'\]", row), row
         assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
-        # the NVFP4 kernel expands K and V in its consumers: 88-96 bytes of spill stores with triton 3.6, 64-76 with 3.7.1
-        assert spill_stores <= (128 if nvfp4 else 64), row
+        # the NVFP4 kernel expands K and V in its consumers: 40-48 bytes of spill stores with triton 3.6, 24-36
+        # with 3.7.1; float8 0 with a bfloat16 query, 12-24 with float16
+        assert spill_stores <= (96 if nvfp4 else 48), row
         # float8: float8 Q K^T and float16 P V; NVFP4: float16 for both
         assert counts["HGMMA"] > 0 and (counts["QGMMA"] == 0 if nvfp4 else counts["QGMMA"] > 0), row
         assert counts["SYNCS"] > 0, row
@@ -1624,7 +1625,7 @@ def test_cuda_hopper_matches_reference(cfg, num_splits):
 
 
 @requires_hopper
-@pytest.mark.parametrize("stages", [2, 3, 4])
+@pytest.mark.parametrize("stages", [2, 3, 4, 5, 6])
 @pytest.mark.parametrize("kv_dtype", [FP8, NVFP4], ids=DTYPE_NAMES.get)
 def test_cuda_hopper_ring_depths(stages, kv_dtype):
     """Every ring depth (raw stages) the plan may be given, on lists much longer than the ring."""
