@@ -233,11 +233,14 @@ class KernelLaunch:
     __slots__ = ("kernel", "grid", "meta", "options", "template", "tensor_pos", "dtypes", "device", "compiled")
 
     def __init__(self, kernel, grid, args: tuple, meta: dict, *, num_warps: int, num_stages: int | None = None,
-                 device: torch.device, reinterpret: bool = False, maxnreg: int | None = None):
+                 device: torch.device, reinterpret: bool = False, maxnreg: int | None = None,
+                 launch_pdl: bool = False):
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.meta = meta
         self.options = {"num_warps": num_warps}
+        if launch_pdl:  # programmatic dependent launch: may be scheduled before the previous kernel ends
+            self.options["launch_pdl"] = True
         if num_stages is not None:
             self.options["num_stages"] = num_stages
         if maxnreg is not None:  # registers per thread, so that several CTAs fit on an SM

@@ -660,7 +660,10 @@ def _sparse_gqa_combine_kernel(
     BLOCK_SM: tl.constexpr,  # next_pow2(num_splits): the (max, sum) pairs, all loaded at once
     BLOCK_D: tl.constexpr,
     HAS_V_SCALE: tl.constexpr,
+    PDL: tl.constexpr,  # launched programmatically dependent: wait for the decode kernel's results
 ):
+    if PDL:
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     # Merge the per-split (max, sum, unnormalised accumulator) triples of a block of query heads. Every
     # split's partial is loaded in one step (not one split after the other), so a few programs finish
     # in about one memory latency.
@@ -713,6 +716,9 @@ _COMBINE_ROWS = 32
 _MAX_GRID_Y = 65535
 
 _PLANS = PlanCache()
+# The Hopper kernel's combine launched with programmatic dependent launch (scheduled once every decode CTA
+# has stored its partials; it waits for the decode grid's completion before reading them).
+COMBINE_PDL = True
 
 
 def _dot_dtype(q_dtype: torch.dtype, kv_cache: torch.Tensor) -> int:
@@ -836,9 +842,9 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
     return main, _make_combine(q, out, plan, v_scale, has_v_scale) if split else None
 
 
-def _make_combine(q, out, plan: LaunchPlan, v_scale, has_v_scale) -> KernelLaunch:
+def _make_combine(q, out, plan: LaunchPlan, v_scale, has_v_scale, pdl: bool = False) -> KernelLaunch:
     """The combine launch of a split plan (both decode kernels write its workspace). Tensor arguments:
-    workspace, v scale, out."""
+    workspace, v scale, out. ``pdl``: launched programmatically dependent on the decode kernel."""
     num_tokens, num_q_heads, head_dim = q.shape
     rows = num_tokens * num_q_heads * plan.num_splits
     block_d = max(next_pow2(head_dim), 16)
@@ -849,8 +855,8 @@ def _make_combine(q, out, plan: LaunchPlan, v_scale, has_v_scale) -> KernelLaunc
         _sparse_gqa_combine_kernel, (num_tokens, cdiv(num_q_heads, block_hc)),
         (out, rows, out, out, out.stride(0), out.stride(1), out.stride(2), num_q_heads, plan.num_splits, v_scale),
         dict(HEAD_DIM=head_dim, BLOCK_HC=block_hc, BLOCK_S=block_s, BLOCK_SM=block_sm, BLOCK_D=block_d,
-             HAS_V_SCALE=has_v_scale),
-        num_warps=4, device=q.device)
+             HAS_V_SCALE=has_v_scale, PDL=pdl),
+        num_warps=4, device=q.device, launch_pdl=pdl)
     return combine
 
 
@@ -893,7 +899,8 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
             plan = plan.with_overrides(config)
             main = hopper.make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
                                       decode_query_len, qk_scale, v_scale, has_k, has_v, out, plan)
-            launches = (main, _make_combine(q, out, plan, v_scale, has_v) if plan.num_splits > 1 else None)
+            launches = (main, _make_combine(q, out, plan, v_scale, has_v, pdl=COMBINE_PDL)
+                        if plan.num_splits > 1 else None)
         else:
             plan = launch_config(q, kv_cache, topk_pages.shape[2], num_splits).with_overrides(config)
             launches = _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,

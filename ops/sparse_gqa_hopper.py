@@ -369,6 +369,9 @@ if HAS_GLUON:
                 gl.store(ws_ptr + row, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_rows + row, l_o, mask=head_ok)
                 gl.store(ws_ptr + 2 * ws_rows + row[None, :] * 128 + dims[:, None], o, mask=head_ok[None, :])
+                # the combine (launched programmatically dependent) may be scheduled once every CTA is here
+                gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                          is_pure=False, pack=1)
             else:
                 vf = gl.full([HB], 1.0, gl.float32, layout=HEADS_O) * v_scale
                 if HAS_V_SCALE:

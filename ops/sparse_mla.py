@@ -445,8 +445,10 @@ def _sparse_mla_combine_kernel(
     out_ptr, stride_ot, stride_oh, stride_od,  # [T, H, DV], q dtype
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H]
     num_heads, num_head_blocks, num_splits, qk_scale, lse_scale,  # softmax_factors(softmax_scale)[0, 2]
-    BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # launched programmatically dependent: wait for the decode kernel's results
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh = _combine_strides(
         stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh)
     ws_acc_ptr = ws_ptr
@@ -482,11 +484,13 @@ def _sparse_mla_combine_fanout_kernel(
     lse_ptr, stride_lt, stride_lh,  # float32 [T, H]
     num_heads, num_head_blocks, num_splits, qk_scale, lse_scale,  # softmax_factors(softmax_scale)[0, 2]
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
-    DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr,
+    DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
 ):
     """One program per (token, block of BLOCK_H heads, BLOCK_D output dims). The partials of
     BLOCK_S splits are loaded as one [BLOCK_S, BLOCK_H, BLOCK_D] tile, so every split's bytes are in
     flight at once (a loop of one split per step waits on one load per split: latency-bound)."""
+    if PDL:  # launched programmatically dependent: wait for the decode kernel's results
+        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
     stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh = _combine_strides(
         stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh)
     ws_ml_ptr = ws_ptr + ws_ml_off
@@ -661,6 +665,9 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
 
 
 _COMBINE_HEADS = 16  # heads per program of the per-split combine
+# The Hopper kernels' combine launched with programmatic dependent launch (scheduled once every decode CTA
+# has stored its partials; it waits for the decode grid's completion before reading them).
+COMBINE_PDL = True
 
 
 def combine_fans_out(num_tokens: int, num_heads: int, num_splits: int) -> bool:
@@ -684,7 +691,7 @@ def combine_blocks(num_splits: int, num_heads: int, dv_pad: int) -> tuple[int, i
 
 
 def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, attn_sink, out, lse, factors,
-                  fan_out: bool | None = None):
+                  fan_out: bool | None = None, pdl: bool = False):
     """The combine launch of a split plan (both decode kernels write the same workspace layout);
     tensors in the order ``ws, sink, out, lse`` (``lse`` holds the places of the workspace and of an
     absent sink here). ``fan_out`` overrides :func:`combine_fans_out` (tests reach both kernels)."""
@@ -704,8 +711,8 @@ def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, 
         kernel, grid,
         (lse, ws_ml_off, sink, sink.stride(0), out, out.stride(0), out.stride(1), out.stride(2),
          lse, lse.stride(0), lse.stride(1), num_heads, head_blocks_c, splits, factors[0], factors[2]),
-        dict(meta, DV=head_dim_v, DV_PAD=dv_pad, HAS_SINK=attn_sink is not None),
-        num_warps=4, device=out.device)
+        dict(meta, DV=head_dim_v, DV_PAD=dv_pad, HAS_SINK=attn_sink is not None, PDL=pdl),
+        num_warps=4, device=out.device, launch_pdl=pdl)
 
 
 def _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink, extra_kv_cache,
@@ -720,7 +727,7 @@ def _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_l
         return 0, main, None
     ws_numel = ws_ml_off + num_tokens * plan.num_splits * num_heads * 2
     return ws_numel, main, _make_combine(num_tokens, num_heads, 512, 512, plan.num_splits, ws_ml_off, attn_sink, out,
-                                         lse, factors)
+                                         lse, factors, pdl=COMBINE_PDL)
 
 
 def kernel_path(q, kv_cache, kv_format="auto", head_dim_v=512, extra_kv_cache=None) -> str:

@@ -642,6 +642,9 @@ if HAS_GLUON:
             if WG == 0:
                 gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
+            # the combine (launched programmatically dependent) may be scheduled once every CTA is here
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         else:
             lse, factor = _final_scale(m_o, l_o, heads, head_ok, sink_ptr, stride_sink, lse_scale, HAS_SINK)
             out_rows = (out_ptr + t * stride_ot + heads.to(gl.int64)[:, None] * stride_oh
@@ -869,6 +872,9 @@ if HAS_GLUON:
             if g == 0:
                 gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
+            # the combine (launched programmatically dependent) may be scheduled once every CTA is here
+            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                      is_pure=False, pack=1)
         else:
             lse, factor = _final_scale(m_o, l_o, heads, head_ok, sink_ptr, stride_sink, lse_scale, HAS_SINK)
             ptrs = (out_ptr + t * stride_ot + heads.to(gl.int64)[None, :] * stride_oh

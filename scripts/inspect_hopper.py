@@ -149,7 +149,7 @@ def report(ck, label: str, sass_dir: str | None) -> str:
         sass = subprocess.run([os.path.join(BIN, "cuobjdump"), "-sass", c], capture_output=True, text=True).stdout
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", r.stderr)
     counts = {w: len(re.findall(r"\b" + w + r"[\.\s]", sass))
-              for w in ("HGMMA", "QGMMA", "SYNCS", "LDL", "STL", "F2F", "BAR")}
+              for w in ("HGMMA", "QGMMA", "SYNCS", "LDL", "STL", "F2F", "BAR", "PREEXIT")}
     ldg128 = len(re.findall(r"LDG\.E\.128", sass))
     setmax = sorted(set(re.findall(r"setmaxnreg\.(\w+)\.sync\.aligned\.u32\s+(\d+)", ptx)))
     maxnreg = re.findall(r"maxnreg (\d+)", ptx)

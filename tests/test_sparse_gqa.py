@@ -1505,7 +1505,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         nvfp4 = " nvfp4 " in row
         smem = int(re.search(r"smem=(\d+)", row).group(1))
         spill_stores = int(re.search(r"spill st/ld=(\d+)/", row).group(1))
-        counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS)=(\d+)", row)}
+        counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS|PREEXIT)=(\d+)", row)}
         assert re.search(r"maxnreg=\['80'\]", row), row
         assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
         # the NVFP4 kernel expands K and V in its consumers: 40-48 bytes of spill stores with triton 3.6, 24-36
@@ -1514,6 +1514,9 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         # float8: float8 Q K^T and float16 P V; NVFP4: float16 for both
         assert counts["HGMMA"] > 0 and (counts["QGMMA"] == 0 if nvfp4 else counts["QGMMA"] > 0), row
         assert counts["SYNCS"] > 0, row
+        # a split kernel lets its combine (programmatic dependent launch) be scheduled once its partials are
+        # stored (griddepcontrol.launch_dependents); an unsplit one has no dependent
+        assert (counts["PREEXIT"] > 0) == (" split=1" in row), row
         assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier (docs/sparse_gqa.md)
         arrive_one = int(re.search(r"arrive_one=(\d+)", row).group(1))
         arrive_all = int(re.search(r"arrive_all=(\d+)", row).group(1))
@@ -1637,6 +1640,29 @@ def test_cuda_hopper_ring_depths(stages, kv_dtype):
         gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="hopper",
                                          config=dict(num_stages=stages))
         assert_matches_reference(out, args)
+
+
+@requires_hopper
+@pytest.mark.parametrize("kv_dtype", [FP8, NVFP4], ids=DTYPE_NAMES.get)
+def test_cuda_hopper_combine_pdl_matches_plain_launch(kv_dtype, monkeypatch):
+    """The combine of a split Hopper call launched with programmatic dependent launch (the default on
+    sm_90; it may be scheduled before the decode kernel ends and waits for it) writes the same bytes as
+    a combine launched after the decode kernel."""
+    cfg = Cfg(hq=32, hkv=2, dh=128, page_size=64, dql=1, q_dtype=BF16, kv_dtype=kv_dtype, batch=3, n_sel=12,
+              offset=16)
+    args, _ = make_inputs(cfg, seed=23, device="cuda")
+    outs = []
+    try:
+        for pdl in (True, False):
+            monkeypatch.setattr(gqa_ops, "COMBINE_PDL", pdl)
+            gqa_ops._PLANS.clear()
+            out = _out_buffer(args)
+            gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=3, path="hopper")
+            outs.append(out)
+    finally:
+        gqa_ops._PLANS.clear()
+    assert torch.equal(outs[0], outs[1])
+    assert_matches_reference(outs[0], args)
 
 
 @requires_hopper

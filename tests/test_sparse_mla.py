@@ -934,10 +934,13 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
     for row in rows:
         smem = int(re.search(r"smem=(\d+)", row).group(1))
         spill_stores = int(re.search(r"spill st/ld=(\d+)/", row).group(1))
-        counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|SYNCS)=(\d+)", row)}
+        counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|SYNCS|PREEXIT)=(\d+)", row)}
         assert smem <= DEFAULT_SHARED_BYTES, row  # 232,448 bytes on sm_90
         assert spill_stores <= 512, row
         assert counts["HGMMA"] > 0 and counts["SYNCS"] > 0, row
+        # a split kernel lets its combine (programmatic dependent launch) be scheduled once its partials are
+        # stored (griddepcontrol.launch_dependents); an unsplit one has no dependent
+        assert (counts["PREEXIT"] > 0) == (" split=1" in row), row
         assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier
 
 
@@ -952,6 +955,32 @@ def test_cuda_hopper_parity(spec, num_splits):
     out, lse = _outputs_like(kwargs, "cuda")
     mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper")
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+@requires_hopper
+@pytest.mark.parametrize("num_splits", [3, 8], ids=lambda s: f"splits={s}")
+@pytest.mark.parametrize("heads", [20, 128])
+def test_cuda_hopper_combine_pdl_matches_plain_launch(heads, num_splits, monkeypatch):
+    """The combine of a split Hopper call launched with programmatic dependent launch (the default on
+    sm_90; it may be scheduled before the decode kernel ends and waits for it) writes the same bytes as
+    a combine launched after the decode kernel, with either combine kernel (3 splits: per split; 8: the
+    fan-out one, for these shapes) and either decode kernel (20 heads: few heads; 128: 64-head)."""
+    spec = Spec(kv_format="fp8_656", T=2, H=heads, K=600, lengths=True, sink="finite")
+    kwargs = make_inputs(spec)
+    dev = _to_device(kwargs, "cuda")
+    results = []
+    try:
+        for pdl in (True, False):
+            monkeypatch.setattr(mla_ops, "COMBINE_PDL", pdl)
+            mla_ops._PLANS.clear()
+            out, lse = _outputs_like(kwargs, "cuda")
+            mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits,
+                                             path="hopper")
+            results.append((out, lse))
+    finally:
+        mla_ops._PLANS.clear()
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+    assert_matches(*results[0], *reference(**kwargs), tensor_cores=True)
 
 
 # The Hopper kernels on the shapes where each can run: the few-heads one (16 or 32 heads per CTA,
