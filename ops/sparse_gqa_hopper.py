@@ -32,7 +32,8 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
   products accumulate in float32. V values are exact in float16 (the hardware conversion
   ``cvt.rn.f16x2.e4m3x2``); ``P`` is rounded to float16.
 - **Split-K** writes the partials of the portable kernel (``m``, ``l``, ``acc`` rows of
-  ``ops/sparse_gqa.py``), which its combine kernel merges.
+  ``ops/sparse_gqa.py``), which its combine kernel merges; right after its stores each CTA lets that
+  kernel (launched with programmatic dependent launch) be scheduled.
 
 For an NVFP4 cache (the same kernel, ``NQ = 0``) the structure and the producer are the same;
 its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its consumers
