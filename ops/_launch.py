@@ -204,6 +204,15 @@ def _raw_stream(index: int) -> int:
 RECORDERS: dict[int, list] = {}
 
 
+@triton.jit
+def wait_for_prior_grid():
+    """First statement of a kernel launched with ``launch_pdl`` (programmatic dependent launch, which
+    may schedule it before the kernel it depends on has finished): waits until that grid has completed
+    and its memory operations are visible (``griddepcontrol.wait``). The prior kernel lets it be
+    scheduled early with ``griddepcontrol.launch_dependents`` (``sparse_mla_hopper._launch_dependents``)."""
+    tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+
+
 def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A new uninitialised 1-D buffer a launcher needs for one call (a split workspace). Its size must
     depend on shapes only. A recorded call notes it, so that a replay of the call's launches allocates a
@@ -321,4 +330,5 @@ class KernelLaunch:
 
 
 __all__ = ["DEFAULT_SHARED_BYTES", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan", "PlanCache",
-           "cdiv", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block"]
+           "cdiv", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block",
+           "wait_for_prior_grid"]

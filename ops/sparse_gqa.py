@@ -50,7 +50,7 @@ from ..meta_kernels.sparse_gqa import (
 )
 from ._formats import e2m1_reencode_ptx, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2,
-                      scratch)
+                      scratch, wait_for_prior_grid)
 from ._rounding import bf16_bits, e4m3_bits, f16_bits, load_as_f32
 from ._triton import tl, triton
 from . import sparse_gqa_hopper as hopper
@@ -663,7 +663,7 @@ def _sparse_gqa_combine_kernel(
     PDL: tl.constexpr,  # launched programmatically dependent: wait for the decode kernel's results
 ):
     if PDL:
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        wait_for_prior_grid()
     # Merge the per-split (max, sum, unnormalised accumulator) triples of a block of query heads. Every
     # split's partial is loaded in one step (not one split after the other), so a few programs finish
     # in about one memory latency.

@@ -69,7 +69,7 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .sparse_mla_hopper import _cta_barrier
+    from .sparse_mla_hopper import _cta_barrier, _launch_dependents
 
 BLOCK_N = 64  # keys per block (one ring stage)
 BLOCK_H = 16  # query heads per CTA (larger groups take several head blocks)
@@ -370,9 +370,7 @@ if HAS_GLUON:
                 gl.store(ws_ptr + row, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_rows + row, l_o, mask=head_ok)
                 gl.store(ws_ptr + 2 * ws_rows + row[None, :] * 128 + dims[:, None], o, mask=head_ok[None, :])
-                # the combine (launched programmatically dependent) may be scheduled once every CTA is here
-                gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                          is_pure=False, pack=1)
+                _launch_dependents()  # the split combine may be scheduled once every CTA is here
             else:
                 vf = gl.full([HB], 1.0, gl.float32, layout=HEADS_O) * v_scale
                 if HAS_V_SCALE:

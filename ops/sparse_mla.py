@@ -47,6 +47,7 @@ from ._launch import (
     next_pow2,
     scratch,
     shared_memory_per_block,
+    wait_for_prior_grid,
 )
 from ._triton import tl, triton
 from . import sparse_mla_hopper as hopper
@@ -448,7 +449,7 @@ def _sparse_mla_combine_kernel(
     BLOCK_H: tl.constexpr, DV: tl.constexpr, DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
 ):
     if PDL:  # launched programmatically dependent: wait for the decode kernel's results
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        wait_for_prior_grid()
     stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh = _combine_strides(
         stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh)
     ws_acc_ptr = ws_ptr
@@ -490,7 +491,7 @@ def _sparse_mla_combine_fanout_kernel(
     BLOCK_S splits are loaded as one [BLOCK_S, BLOCK_H, BLOCK_D] tile, so every split's bytes are in
     flight at once (a loop of one split per step waits on one load per split: latency-bound)."""
     if PDL:  # launched programmatically dependent: wait for the decode kernel's results
-        tl.inline_asm_elementwise("griddepcontrol.wait; // $0", "=r", [], dtype=tl.int32, is_pure=False, pack=1)
+        wait_for_prior_grid()
     stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh = _combine_strides(
         stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh)
     ws_ml_ptr = ws_ptr + ws_ml_off

@@ -129,6 +129,14 @@ if HAS_GLUON:
     _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
 
     @gluon.jit
+    def _launch_dependents():
+        """Let the kernel launched programmatically dependent on this one (the split combine, see
+        ``ops/_launch.py::wait_for_prior_grid``) be scheduled once every CTA of this grid has executed
+        this or exited (``griddepcontrol.launch_dependents``)."""
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
     def _e4m3_to_bf16(raw):
         return gl.inline_asm_elementwise(_E4M3X4_TO_BF16X4, "=r,=r,r", [raw], dtype=gl.bfloat16, is_pure=True,
                                          pack=4)
@@ -642,9 +650,7 @@ if HAS_GLUON:
             if WG == 0:
                 gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
-            # the combine (launched programmatically dependent) may be scheduled once every CTA is here
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+            _launch_dependents()  # the split combine may be scheduled once every CTA is here
         else:
             lse, factor = _final_scale(m_o, l_o, heads, head_ok, sink_ptr, stride_sink, lse_scale, HAS_SINK)
             out_rows = (out_ptr + t * stride_ot + heads.to(gl.int64)[:, None] * stride_oh
@@ -872,9 +878,7 @@ if HAS_GLUON:
             if g == 0:
                 gl.store(ws_ptr + ws_ml_off + row * 2, m_o, mask=head_ok)
                 gl.store(ws_ptr + ws_ml_off + row * 2 + 1, l_o, mask=head_ok)
-            # the combine (launched programmatically dependent) may be scheduled once every CTA is here
-            gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // $0", "=r", [], dtype=gl.int32,
-                                      is_pure=False, pack=1)
+            _launch_dependents()  # the split combine may be scheduled once every CTA is here
         else:
             lse, factor = _final_scale(m_o, l_o, heads, head_ok, sink_ptr, stride_sink, lse_scale, HAS_SINK)
             ptrs = (out_ptr + t * stride_ot + heads.to(gl.int64)[None, :] * stride_oh
