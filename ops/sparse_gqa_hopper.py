@@ -316,11 +316,12 @@ if HAS_GLUON:
 
     @gluon.jit
     def _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
-                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem, merge_ready,
+                         out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, o_smem, ml_smem, merge_ready,
                          v_mult: gl.constexpr, CID: gl.constexpr, HB: gl.constexpr, HAS_V_SCALE: gl.constexpr,
                          SPLIT: gl.constexpr, NV_DIMS: gl.constexpr):
-        """The end of consumer ``CID``: the second hands its state ``(m, l, O^T)`` to the first, which
-        merges it into its own and writes the output (or the split's partials); the V values were
+        """The end of consumer ``CID``: the second hands its state ``(m, l, O^T)`` to the first through
+        shared memory (``O^T`` in ``o_smem``, ``[128, HB]`` float32 that nothing else uses any more),
+        which merges it into its own and writes the output (or the split's partials); the V values were
         divided by ``v_mult``; the rows of ``O^T`` hold the dims in ``_nv_dim`` order (``NV_DIMS`` 1,
         NVFP4) or in ``_vreg_dim`` order (2, float8)."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
@@ -328,13 +329,6 @@ if HAS_GLUON:
         m_o = gl.convert_layout(m_i, HEADS_O)
         l_o = gl.convert_layout(gl.sum(l_rows, axis=0), HEADS_O)
         heads = hb * HB + gl.arange(0, HB, layout=HEADS_O)
-        # consumer 1 hands (m, l, O^T) over through shared memory: O^T in its V tile, now unused (NVFP4),
-        # or in the ring stage the float8 consumer passes as ``vh``
-        if NV_DIMS == 2:
-            o_smem = vh
-        else:
-            o_smem = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
-                vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         ml = ml_smem._reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[0]))
         if CID == 1:
@@ -706,9 +700,12 @@ if HAS_GLUON:
                                          True, False)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
+        # consumer 1's O^T goes to its V tile, unused by then
+        o_buf = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         _merge_and_store(o, m_i, gl.sum(l_rows, axis=0), t, g, hb, split, group, num_kv_heads, num_splits,
-                         v_scale, v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, vh, ml_smem,
-                         merge_ready, 64.0, CID, HB, HAS_V_SCALE, SPLIT, 1)
+                         v_scale, v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, o_buf,
+                         ml_smem, merge_ready, 64.0, CID, HB, HAS_V_SCALE, SPLIT, 1)
 
     @gluon.jit
     def _any_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
