@@ -34,14 +34,19 @@ from torch_sparse_mla.bench.common import graph_us
 from torch_sparse_mla.ops import sparse_gqa, sparse_mla
 
 
-def _modules(family: str, specs: list[str]) -> dict:
+def _modules(specs: list[str]) -> dict:
+    """The variants imported as modules of the package; their copies inside it are removed again once
+    imported (in an editable install the package's ``ops`` is the checkout's)."""
     ops_dir = os.path.dirname(sparse_gqa.__file__)
     modules = {}
     for spec in specs:
         name, path = spec.split("=", 1)
         target = os.path.join(ops_dir, f"_ab_{name}.py")
         shutil.copy(path, target)
-        modules[name] = importlib.import_module(f"torch_sparse_mla.ops._ab_{name}")
+        try:
+            modules[name] = importlib.import_module(f"torch_sparse_mla.ops._ab_{name}")
+        finally:
+            os.remove(target)
     return modules
 
 
@@ -84,7 +89,7 @@ def main() -> None:
     parser.add_argument("--extra", type=int, default=0)
     opts = parser.parse_args()
     launcher = sparse_gqa if opts.family == "gqa" else sparse_mla
-    modules = _modules(opts.family, opts.variants)
+    modules = _modules(opts.variants)
     rows = (opts.rows or ("1,16,64,256,64q4" if opts.family == "gqa" else "1,4,64,256")).split(",")
     shipped = launcher.hopper
     try:
