@@ -130,6 +130,32 @@ def barrier_aliases(ck) -> int | None:
     return sum(1 for s in scratch for lo, hi in barriers if lo <= s < hi)
 
 
+def inner_loops(sass: str, min_size: int = 64) -> list[int]:
+    """Instruction counts of the innermost loops of at least ``min_size`` instructions, in address order:
+    a backward branch before the kernel's last ``EXIT`` closes a loop from its target to itself (the
+    out-of-line retry stubs of mbarrier waits after it jump back into the code they came from), and a
+    loop is innermost when no other such loop lies inside it. In these kernels they are the partitions'
+    per-block loops."""
+    addr = {}
+    branches = []
+    for line in sass.splitlines():
+        m = re.match(r"\s*/\*([0-9a-f]{4,})\*/\s+(.*?);", line)
+        if not m:
+            continue
+        at = int(m.group(1), 16)
+        addr[at] = m.group(2)
+        b = re.search(r"\bBRA\s+(0x[0-9a-f]+)", m.group(2))
+        if b and int(b.group(1), 16) < at:
+            branches.append((int(b.group(1), 16), at))
+    last_exit = max((a for a, text in addr.items() if re.search(r"\bEXIT\b", text)), default=max(addr, default=0))
+    loops = [(lo, hi) for lo, hi in branches if hi < last_exit]
+    size = {(lo, hi): sum(1 for a in addr if lo <= a <= hi) for lo, hi in loops}
+    big = [lh for lh in loops if size[lh] >= min_size]
+    inner = [(lo, hi) for lo, hi in big if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi)
+                                                  for lo2, hi2 in big)]
+    return [size[lh] for lh in sorted(set(inner))]
+
+
 def _or_unknown(value) -> str:
     return "?" if value is None else str(value)
 
@@ -161,7 +187,8 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     line = (f"{label:44s} maxnreg={maxnreg} setmaxnreg={setmax} "
             f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
             f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items())
-            + f" barrier_alias={_or_unknown(barrier_aliases(ck))} arrive_one={arrive_one} arrive_all={arrive_all}")
+            + f" barrier_alias={_or_unknown(barrier_aliases(ck))} arrive_one={arrive_one} arrive_all={arrive_all}"
+            + f" loops={','.join(map(str, inner_loops(sass)))}")
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
         with open(os.path.join(sass_dir, label.replace(" ", "_") + ".sass"), "w") as f:

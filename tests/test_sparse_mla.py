@@ -918,8 +918,9 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
     """Without a GPU: every variant of the Hopper kernel (format x split x extra list) compiles for
     sm_90a with the ptxas shipped in the triton wheel (``scripts/inspect_hopper.py``), fits the
     232,448 bytes of shared memory a block may use (fp8_656 with an extra list uses all of them), uses
-    the tensor cores and mbarriers, spills at most a few hundred bytes, and has no shared-memory scratch
-    buffer placed on an mbarrier (``scripts/inspect_hopper.py::barrier_aliases``)."""
+    the tensor cores and mbarriers, spills at most a few hundred bytes, keeps one per-block loop per
+    partition no longer than measured, and has no shared-memory scratch buffer placed on an mbarrier
+    (``scripts/inspect_hopper.py::barrier_aliases``)."""
     import re
 
     pytest.importorskip("triton.backends.nvidia.compiler")
@@ -942,6 +943,12 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         # stored (griddepcontrol.launch_dependents); an unsplit one has no dependent
         assert (counts["PREEXIT"] > 0) == (" split=1" in row), row
         assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier
+        # one per-block loop per partition (the 64-head kernel's two consumers and producer, the few-heads
+        # kernel's consumer and producer), none longer than the 1,100-1,160 instructions per block of the
+        # longest ones when measured (docs/sparse_mla_hopper.md, "Reading the compiled kernel")
+        loops = [int(n) for n in re.search(r"loops=([\d,]+)", row).group(1).split(",")]
+        assert len(loops) == (3 if " heads=64 " in row else 2), row
+        assert max(loops) <= 1250, row
 
 
 @requires_hopper
