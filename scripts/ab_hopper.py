@@ -102,8 +102,7 @@ def main() -> None:
                 launcher._PLANS.clear()
                 outputs[name] = run().float().clone()
                 entry = next(iter(launcher._PLANS.values()))
-                kernels[name] = {getattr(getattr(x, "kernel", None), "fn", None).__module__.rsplit(".", 1)[-1]
-                                 for x in entry if hasattr(x, "kernel")}
+                kernels[name] = {x.kernel.fn.__module__.rsplit(".", 1)[-1] for x in entry if hasattr(x, "kernel")}
             for _ in range(opts.rounds):
                 for name, module in modules.items():
                     launcher.hopper = module
