@@ -96,23 +96,22 @@ if HAS_GLUON:
     _FLT_MAX = gl.constexpr(3.4028234663852886e38)
     _LN2 = gl.constexpr(0.6931471805599453)
 
-    # e4m3 -> bf16 for 4 bytes with integer instructions: each byte goes to the high byte of a 16-bit lane,
-    # the sign stays in bit 15 and exponent+mantissa shift right by 4, which is the bf16 of the value times
-    # 2^-120 (e4m3 subnormals included, as bf16 subnormals); one bf16x2 fma with 2^120 restores the scale
-    # exactly. e4m3 NaN (0x7F / 0xFF) becomes +-480 (the cache writer never produces NaN codes).
+    # e4m3 -> bf16 for 4 bytes with integer instructions (four per pair of values): a byte permute puts
+    # each byte in the low byte of a 16-bit lane and its sign, replicated, in the high byte; a shift left
+    # by 4 and a mask keep the sign in bit 15 and exponent+mantissa in bits 4..10, which is the bf16 of the
+    # value times 2^-120 (e4m3 subnormals included, as bf16 subnormals); one bf16x2 fma with 2^120 restores
+    # the scale exactly. e4m3 NaN (0x7F / 0xFF) becomes +-480 (the cache writer never produces NaN codes).
     _E4M3X4_TO_BF16X4 = gl.constexpr("""
     {
     .reg .b32 t0, t1, u0, u1, k, z;
     mov.b32 k, 0x7B807B80;
     mov.b32 z, 0x80008000;
-    prmt.b32 t0, $2, 0, 0x1404;
-    prmt.b32 t1, $2, 0, 0x3424;
-    shr.b32 u0, t0, 4;
-    shr.b32 u1, t1, 4;
-    and.b32 u0, u0, 0x07F007F0;
-    and.b32 u1, u1, 0x07F007F0;
-    lop3.b32 u0, t0, 0x80008000, u0, 0xEA;
-    lop3.b32 u1, t1, 0x80008000, u1, 0xEA;
+    prmt.b32 t0, $2, 0, 0x9180;
+    prmt.b32 t1, $2, 0, 0xB3A2;
+    shl.b32 u0, t0, 4;
+    shl.b32 u1, t1, 4;
+    and.b32 u0, u0, 0x87F087F0;
+    and.b32 u1, u1, 0x87F087F0;
     fma.rn.bf16x2 $0, u0, k, z;
     fma.rn.bf16x2 $1, u1, k, z;
     }
@@ -464,46 +463,66 @@ if HAS_GLUON:
                     s = warpgroup_mma(qn.slice(64 * c, 64, dim=1), keys.slice(64 * c, 64, dim=1).permute((1, 0)), s,
                                       is_async=True)
         s = warpgroup_mma_wait(0, deps=(s,))
-        # The overflow-safe softmax of docs/sparse_mla.md: u = sign * <q, k> saturated to finite float32
-        # (NaN from products overflowing both ways counts as -FLT_MAX), weights exp2(a * (u - max u)).
         valid = valid_smem.index(stage).slice(K0, NK).load(COLS) != 0
-        u = s * score_sign
-        u = gl.where(u == u, gl.minimum(gl.maximum(u, -_FLT_MAX), _FLT_MAX), -_FLT_MAX)
-        u = gl.where(valid[None, :], u, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(u, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
-        alpha = gl.exp2((m_i - m_use) * qk_scale)
-        p = gl.exp2((u - m_use[:, None]) * qk_scale)
+        m_new, alpha, p = _online_softmax(s, valid, m_i, qk_scale, score_sign, 1)
         l_i = l_i * alpha + gl.sum(p, axis=1)
-        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
         # Hand-off: wait until the second consumer is done with the previous block's P, store this one
-        # (fp16 when it is scaled per group again there, bf16 when it is the MMA operand as it is), and
-        # arrive once every thread's part is stored (the arrive is one thread's).
+        # (fp16 when it is scaled per group again there, bf16 when it is the MMA operand as it is) and
+        # the rescale factors, and arrive once every thread's part is stored (the arrive is one thread's).
         mbarrier.wait(p_free, (i & 1) ^ 1)
         p_smem.store(p.to(p_smem.dtype))
         stat_smem.index(0).store(alpha)
         fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(p_ready)
+        alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
+        o0 = o0 * alpha_o
+        o1 = o1 * alpha_o
         if FOLD:
-            o0, o1 = _pv_scaled(p, scales, stage * 4, keys, o0, o1, alpha_o, 0, COLS, P_L)
+            o0, o1 = _pv_scaled(p, scales, stage * 4, keys, o0, o1, 0, COLS, P_L)
         else:
             p0 = gl.convert_layout(p.to(gl.bfloat16), P_L)
-            o0 = warpgroup_mma(p0, keys.slice(0, 128, dim=1), o0 * alpha_o, is_async=True)
-            o1 = warpgroup_mma(p0, keys.slice(128, 128, dim=1), o1 * alpha_o, is_async=True)
+            o0 = warpgroup_mma(p0, keys.slice(0, 128, dim=1), o0, is_async=True)
+            o1 = warpgroup_mma(p0, keys.slice(128, 128, dim=1), o1, is_async=True)
         o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
         return o0, o1, m_new, l_i
 
     @gluon.jit
-    def _pv_scaled(p, scales, group, keys, o0, o1, alpha, DIM0: gl.constexpr, COLS: gl.constexpr,
-                   P_L: gl.constexpr):
-        """fp8_656: ``(o0, o1)``, output dims ``[DIM0, DIM0 + 256)``, rescaled by ``alpha`` plus ``P V``
-        over one stage. V of scale group ``g`` is its raw values, so P takes the group's per-key scale
-        (rows ``group`` and ``group + 1`` of the scale table) before its one bf16 rounding."""
+    def _online_softmax(s, valid, m_i, qk_scale, score_sign, AXIS: gl.constexpr):
+        """One block of the overflow-safe online softmax of docs/sparse_mla.md, on the products ``s`` of
+        keys and a query staged with the sign of the scale (:func:`_load_q`), the keys along the axis
+        other than ``AXIS`` and ``valid`` their validity: ``u = sign * <q, k>`` (``s`` itself but for a
+        zero sign) saturated to finite float32 (NaN from products overflowing both ways counts as
+        -FLT_MAX; invalid keys -inf), the running maximum ``m`` over axis ``AXIS`` and the weights
+        ``exp2(a * (u - m))``. Returns ``(m_new, alpha, p)``, ``alpha`` the rescale factor of what came
+        before."""
+        u = s
+        if score_sign == 0.0:
+            u = s * 0.0  # NaN from an overflowed product stays NaN (-> -FLT_MAX below)
+        # maximum ignores NaN (maxnum), so NaN -> -FLT_MAX; an invalid key's upper bound -inf wins
+        hi = gl.where(valid, _FLT_MAX, float("-inf"))
+        if AXIS == 1:
+            u = gl.minimum(gl.maximum(u, -_FLT_MAX), hi[None, :])
+        else:
+            u = gl.minimum(gl.maximum(u, -_FLT_MAX), hi[:, None])
+        m_new = gl.maximum(m_i, gl.max(u, axis=AXIS))
+        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
+        alpha = gl.exp2((m_i - m_use) * qk_scale)
+        if AXIS == 1:
+            p = gl.exp2((u - m_use[:, None]) * qk_scale)
+        else:
+            p = gl.exp2((u - m_use[None, :]) * qk_scale)
+        return m_new, alpha, p
+
+    @gluon.jit
+    def _pv_scaled(p, scales, group, keys, o0, o1, DIM0: gl.constexpr, COLS: gl.constexpr, P_L: gl.constexpr):
+        """fp8_656: ``(o0, o1)``, output dims ``[DIM0, DIM0 + 256)``, plus ``P V`` over one stage. V of
+        scale group ``g`` is its raw values, so P takes the group's per-key scale (rows ``group`` and
+        ``group + 1`` of the scale table) before its one bf16 rounding."""
         pa = gl.convert_layout((p * scales.index(group).load(COLS)[None, :]).to(gl.bfloat16), P_L)
-        o0 = warpgroup_mma(pa, keys.slice(DIM0, 128, dim=1), o0 * alpha, is_async=True)
+        o0 = warpgroup_mma(pa, keys.slice(DIM0, 128, dim=1), o0, is_async=True)
         pb = gl.convert_layout((p * scales.index(group + 1).load(COLS)[None, :]).to(gl.bfloat16), P_L)
-        o1 = warpgroup_mma(pb, keys.slice(DIM0 + 128, 128, dim=1), o1 * alpha, is_async=True)
+        o1 = warpgroup_mma(pb, keys.slice(DIM0 + 128, 128, dim=1), o1, is_async=True)
         return o0, o1
 
     @gluon.jit
@@ -526,7 +545,7 @@ if HAS_GLUON:
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, _BH, D)
+        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, score_sign, _BH, D)
         _cta_barrier()  # every warp's part of Q is stored (and fenced) before any warp's first MMA
         # One softmax step per ring stage. (fp8_656's scale folding keeps one more [64, 64] float32 tile
         # live and spills a little; steps of 32 keys avoid that but measured 10-20% slower on an H200.)
@@ -593,13 +612,14 @@ if HAS_GLUON:
             mbarrier.wait(ready.index(stage), (i // 2) & 1)
             mbarrier.wait(p_ready, i & 1)
             alpha = stat_smem.index(0).load(ROWS_O)[:, None]
+            o0 = o0 * alpha
+            o1 = o1 * alpha
             kn = knope.index(stage)
             if FOLD:
-                o0, o1 = _pv_scaled(p_smem.load(S_L).to(gl.float32), scales, stage * 4 + 2, kn, o0, o1, alpha, 256,
-                                    COLS, P_L)
+                o0, o1 = _pv_scaled(p_smem.load(S_L).to(gl.float32), scales, stage * 4 + 2, kn, o0, o1, 256, COLS, P_L)
             else:
-                o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0 * alpha, is_async=True)
-                o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1 * alpha, is_async=True)
+                o0 = warpgroup_mma(p_smem, kn.slice(256, 128, dim=1), o0, is_async=True)
+                o1 = warpgroup_mma(p_smem, kn.slice(384, 128, dim=1), o1, is_async=True)
             o0, o1 = warpgroup_mma_wait(0, deps=(o0, o1))
             _cta_barrier()  # every warp has read P and alpha before the (one-thread) arrive frees them
             mbarrier.arrive(p_free)
@@ -662,10 +682,11 @@ if HAS_GLUON:
                 gl.store(lse_ptr + t * stride_lt + heads.to(gl.int64) * stride_lh, lse, mask=head_ok)
 
     @gluon.jit
-    def _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB: gl.constexpr,
+    def _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, score_sign, HB: gl.constexpr,
                 D: gl.constexpr):
         """Stage this CTA's ``HB`` query rows (zeros past ``num_heads``) in shared memory, once. The loads
-        go out in two batches of four (and the rope) 64-column chunks, so their latencies overlap."""
+        go out in two batches of four (and the rope) 64-column chunks, so their latencies overlap.
+        Negated when ``score_sign`` is negative (exact), so the products need no sign."""
         if HB == _BH:
             G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [gl.num_warps(), 1], [1, 0])
         else:  # 16 or 32 rows (the few-heads kernel)
@@ -677,6 +698,7 @@ if HAS_GLUON:
         chunk = 64 * gl.cast(stride_qd, gl.int64)
         rows = q_ptr + t * stride_qt + heads.to(gl.int64)[:, None] * stride_qh + col_offs
         ok = (heads < num_heads)[:, None]
+        neg = score_sign < 0.0
         for half in gl.static_range(2):
             c0 = rows + (4 * half) * chunk
             x0 = gl.load(c0, mask=ok, other=0.0)
@@ -684,11 +706,12 @@ if HAS_GLUON:
             x2 = gl.load(c0 + 2 * chunk, mask=ok, other=0.0)
             x3 = gl.load(c0 + 3 * chunk, mask=ok, other=0.0)
             if half == 1 and D == 576:
-                qr.store(gl.load(rows + 8 * chunk, mask=ok, other=0.0))
-            qn.slice(256 * half, 64, dim=1).store(x0)
-            qn.slice(256 * half + 64, 64, dim=1).store(x1)
-            qn.slice(256 * half + 128, 64, dim=1).store(x2)
-            qn.slice(256 * half + 192, 64, dim=1).store(x3)
+                xr = gl.load(rows + 8 * chunk, mask=ok, other=0.0)
+                qr.store(gl.where(neg, -xr, xr))
+            qn.slice(256 * half, 64, dim=1).store(gl.where(neg, -x0, x0))
+            qn.slice(256 * half + 64, 64, dim=1).store(gl.where(neg, -x1, x1))
+            qn.slice(256 * half + 128, 64, dim=1).store(gl.where(neg, -x2, x2))
+            qn.slice(256 * half + 192, 64, dim=1).store(gl.where(neg, -x3, x3))
         fence_async_shared()
 
     # The list widths are never specialised: Triton turns an integer argument equal to 1 into a
@@ -830,13 +853,7 @@ if HAS_GLUON:
         64-head kernel down the columns (the keys), ``P^T`` to shared memory (bf16; fp8_656: one copy
         per scale group, each rounded once from ``P * s_g`` in float32) and ``O^T += V^T P^T``, with V
         the K tile read transposed. Returns ``(o0, o1, o2, o3, m_i, l_i)``; the MMAs have completed."""
-        u = s * score_sign
-        u = gl.where(u == u, gl.minimum(gl.maximum(u, -_FLT_MAX), _FLT_MAX), -_FLT_MAX)
-        u = gl.where(valid[:, None], u, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(u, axis=0))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # no candidate yet: keep exp2 finite
-        alpha = gl.exp2((m_i - m_use) * qk_scale)
-        p = gl.exp2((u - m_use[None, :]) * qk_scale)
+        m_new, alpha, p = _online_softmax(s, valid, m_i, qk_scale, score_sign, 0)
         l_i = l_i * alpha + gl.sum(p, axis=0)
         if FOLD:
             pt_smem.index(0).store((p * _scale_vec(sc0, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
@@ -848,17 +865,21 @@ if HAS_GLUON:
         fence_async_shared()
         _cta_barrier()  # every warp's part of P^T is stored before any warp's MMA reads it
         a = alpha[None, :]
+        o0 = o0 * a
+        o1 = o1 * a
+        o2 = o2 * a
+        o3 = o3 * a
         if FOLD:
-            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt_smem.index(0), o0 * a, is_async=True)
-            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt_smem.index(1), o1 * a, is_async=True)
-            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt_smem.index(2), o2 * a, is_async=True)
-            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt_smem.index(3), o3 * a, is_async=True)
+            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt_smem.index(0), o0, is_async=True)
+            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt_smem.index(1), o1, is_async=True)
+            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt_smem.index(2), o2, is_async=True)
+            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt_smem.index(3), o3, is_async=True)
         else:
             pt = pt_smem.index(0)
-            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt, o0 * a, is_async=True)
-            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt, o1 * a, is_async=True)
-            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt, o2 * a, is_async=True)
-            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt, o3 * a, is_async=True)
+            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt, o0, is_async=True)
+            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt, o1, is_async=True)
+            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt, o2, is_async=True)
+            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt, o3, is_async=True)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         return o0, o1, o2, o3, m_new, l_i
 
@@ -906,7 +927,7 @@ if HAS_GLUON:
         t, hb, blk_lo, blk_hi, nb_main, n_main, n_extra = _block_range(
             pid, num_head_blocks, num_splits, len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
             HAS_LEN, HAS_EXTRA, HAS_XLEN, SPLIT)
-        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, HB, D)
+        _load_q(q_ptr, stride_qt, stride_qh, stride_qd, qn, qr, t, hb, num_heads, score_sign, HB, D)
         _cta_barrier()  # every warp's part of Q is stored (and fenced) before the first MMA
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)

@@ -1017,6 +1017,56 @@ def test_cuda_hopper_head_forms(spec, form, num_splits):
 
 
 @requires_hopper
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")  # float32 products overflow on purpose
+@pytest.mark.parametrize("form", ["few16", "rows64"])
+@pytest.mark.parametrize("scale", ["1e38", "-1e300", "zero", "-zero", "-0.3"], ids=str)
+def test_cuda_hopper_softmax_scale_extremes(scale, form):
+    """Both Hopper kernels under the overflow-safe rule: scores past float32 both ways, a zero scale
+    (equal weights) and a negative one (the query is staged negated, so the scores need no sign)."""
+    softmax_scale = -0.3 if scale == "-0.3" else _EXTREME_SCALES[scale]
+    spec = Spec(kv_format="fp8_656", T=3, H=24, K=300, K2=40, lengths=True, sink="finite", empty_row=True,
+                extra_page_pad=16, scale=softmax_scale)
+    kwargs = make_inputs(spec)
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(_to_device(kwargs, "cuda")), out=out, lse=lse, path="hopper",
+                                     config=_HEAD_FORMS[form])
+    _assert_extreme_scale(out.cpu(), lse.cpu(), *reference(**kwargs))
+
+
+@requires_hopper
+@pytest.mark.parametrize("form", ["few16", "rows64"])
+@pytest.mark.parametrize("kv_format", ["fp8_656", "auto"])
+def test_cuda_hopper_running_maximum(kv_format, form):
+    """The online softmax's rescales: every head's best score grows from block to block by its own
+    step, from a quarter of a binade of the weights to 24 binades (token 0: earlier blocks' weights
+    shrink a little or vanish), or shrinks the same way (token 1: nothing is rescaled after the first
+    block), over six blocks of 64 keys, so one block holds rows of every kind."""
+    heads, blocks = 40, 6
+    num_keys = 64 * blocks
+    dim = 576
+    gen = torch.Generator().manual_seed(7)
+    softmax_scale = 0.06
+    # per-block step of the best score, in binades of the weights: 0.25 .. 24 across the heads
+    steps = torch.logspace(math.log10(0.25), math.log10(24.0), heads, dtype=torch.float64)
+    keys = torch.randn(num_keys, dim, generator=gen) * 0.25
+    block = torch.arange(num_keys) // 64
+    keys[:, 0] = block.to(torch.float32)  # dim 0 carries the growth
+    q = torch.randn(2, heads, dim, generator=gen) * 0.25
+    q[:, :, 0] = (steps / (softmax_scale * math.log2(math.e))).to(torch.float32)
+    page_size = 16
+    cache = fr.make_cache(num_keys // page_size + 2, page_size, kv_format, dim=dim)
+    slots = torch.randperm(cache.shape[0] * page_size, generator=gen)[:num_keys]
+    fr.fill_cache(cache, slots.tolist(), keys, kv_format)
+    indices = torch.stack([slots, slots.flip(0)]).to(torch.int32)
+    kwargs = dict(q=q.to(torch.bfloat16), kv_cache=cache, indices=indices, softmax_scale=softmax_scale,
+                  kv_format=kv_format, head_dim_v=512, topk_length=None)
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(_to_device(kwargs, "cuda")), out=out, lse=lse, path="hopper",
+                                     num_splits=1, config=_HEAD_FORMS[form])
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+@requires_hopper
 def test_cuda_hopper_is_the_default_on_sm90():
     """The registered operator runs the Hopper kernel where it applies, and the same values come out of
     the portable kernel (bitwise equality is not expected: different summation orders)."""
