@@ -944,8 +944,8 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         assert (counts["PREEXIT"] > 0) == (" split=1" in row), row
         assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier
         # one per-block loop per partition (the 64-head kernel's two consumers and producer, the few-heads
-        # kernel's consumer and producer), none longer than the 1,100-1,160 instructions per block of the
-        # longest ones when measured (docs/sparse_mla_hopper.md, "Reading the compiled kernel")
+        # kernel's consumer and producer), none much longer than the 1,050-1,115 instructions per block of
+        # the longest ones when measured (docs/sparse_mla_hopper.md, "Reading the compiled kernel")
         loops = [int(n) for n in re.search(r"loops=([\d,]+)", row).group(1).split(",")]
         assert len(loops) == (3 if " heads=64 " in row else 2), row
         assert max(loops) <= 1250, row
