@@ -490,10 +490,10 @@ if HAS_GLUON:
     @gluon.jit
     def _online_softmax(s, valid, m_i, qk_scale, score_sign, AXIS: gl.constexpr):
         """One block of the overflow-safe online softmax of docs/sparse_mla.md, on the products ``s`` of
-        keys and a query staged with the sign of the scale (:func:`_load_q`), the keys along the axis
-        other than ``AXIS`` and ``valid`` their validity: ``u = sign * <q, k>`` (``s`` itself but for a
-        zero sign) saturated to finite float32 (NaN from products overflowing both ways counts as
-        -FLT_MAX; invalid keys -inf), the running maximum ``m`` over axis ``AXIS`` and the weights
+        keys and a query staged with the sign of the scale (:func:`_load_q`), the keys along axis
+        ``AXIS`` and ``valid`` their validity: ``u = sign * <q, k>`` (``s`` itself but for a zero sign)
+        saturated to finite float32 (NaN from products overflowing both ways counts as -FLT_MAX;
+        invalid keys -inf), the running maximum ``m`` over the keys and the weights
         ``exp2(a * (u - m))``. Returns ``(m_new, alpha, p)``, ``alpha`` the rescale factor of what came
         before."""
         u = s
