@@ -251,11 +251,13 @@ if HAS_GLUON:
             blk, t, nb_main, n_main, n_extra, cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr,
             stride_it, stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
             stride_xk, HAS_EXTRA)
-        slot = slot_ids.to(gl.int64)
-        valid = (slot >= 0) & (slot < c_ns)
-        slot = gl.where(valid, slot, 0)
-        page = slot // c_ps
-        row = slot - page * c_ps
+        # slot ids are int32: page and row in 32-bit arithmetic (a 64-bit division by the page size is
+        # several times longer, on the producer's serial path), the byte offsets in 64
+        valid = (slot_ids >= 0) & (slot_ids.to(gl.int64) < c_ns)
+        slot = gl.where(valid, slot_ids, 0)
+        page32 = slot // c_ps
+        row = (slot - page32 * c_ps).to(gl.int64)
+        page = page32.to(gl.int64)
         valid_smem.index(stage).store(valid.to(gl.int8))
         kn = knope.index(stage)
         cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
