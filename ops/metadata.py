@@ -30,6 +30,16 @@ _BLOCK_COLS = 128  # index columns per program of the 2-D kernels
 _PLANS = PlanCache()
 
 
+def _row_block(cols: int) -> int:
+    """Columns per program of a kernel that takes a token's whole index row at once (up to 1,024; a
+    longer row takes several programs or iterations)."""
+    return min(max(triton.next_power_of_2(max(cols, 1)), _BLOCK_COLS), 1024)
+
+
+def _row_warps(block: int) -> int:
+    return 4 if block <= 512 else 8
+
+
 def _grid_rows_cols(rows: int, cols: int) -> tuple[int, int]:
     # Tokens go on grid dimension 0 (CUDA caps dimensions 1 and 2 at 65535, a prefill can exceed it).
     return (rows, max(cdiv(cols, _BLOCK_COLS), 1))
@@ -156,23 +166,23 @@ def _lookup_slots(
     req,  # int64, any shape
     entry,  # int64, same shape: request-local entry number
     valid,  # bool, same shape
-    block_size,
+    BLOCK_SIZE: tl.constexpr,
 ):
     """int64 slot of ``entry`` through row ``req`` of the block table, -1 where empty; never reads out
-    of bounds (the load is masked by the same conditions)."""
+    of bounds (the load is masked by the same conditions). The block size is a compile-time constant,
+    so the division is a shift (or a multiply) instead of a 64-bit division routine."""
     stride_bt_r = tl.cast(stride_bt_r, tl.int64)
     stride_bt_c = tl.cast(stride_bt_c, tl.int64)
-    block_size = tl.cast(block_size, tl.int64)
     entry_safe = tl.maximum(entry, 0)
-    col = entry_safe // block_size
+    col = entry_safe // BLOCK_SIZE
     ok = valid & (entry >= 0) & (col < max_blocks) & (req >= 0) & (req < num_req)
     block = tl.load(block_table_ptr + req * stride_bt_r + col * stride_bt_c, mask=ok, other=-1).to(tl.int64)
     ok = ok & (block >= 0)
-    return tl.where(ok, block * block_size + (entry_safe - col * block_size), -1)
+    return tl.where(ok, block * BLOCK_SIZE + (entry_safe - col * BLOCK_SIZE), -1)
 
 
 @triton.jit
-def _completed_entries(pos, compress_ratio, width):
+def _completed_entries(pos, compress_ratio: tl.constexpr, width):
     """``clamp((pos + 1) // compress_ratio, 0, width)`` for an int64 ``pos`` without computing
     ``pos + 1``: the quotient of ``max(pos, 0)``, plus one when its remainder is ``ratio - 1``."""
     pos_safe = tl.maximum(pos, 0)
@@ -187,9 +197,9 @@ def _compressed_slot_mapping_kernel(
     seq_lens_ptr, stride_sl,  # int32 [R]
     block_table_ptr, stride_bt_r, stride_bt_c,  # int32 [R, M]
     out_ptr, stride_out,  # int64 [N]
-    num_out, num_req, max_blocks, block_size, compress_ratio,
+    num_out, num_req, max_blocks,
     search_steps,  # bit length of R: enough binary-search iterations for R requests
-    BLOCK: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, BLOCK: tl.constexpr,
 ):
     stride_qsl = tl.cast(stride_qsl, tl.int64)
     stride_sl = tl.cast(stride_sl, tl.int64)
@@ -214,9 +224,9 @@ def _compressed_slot_mapping_kernel(
     seq_len = tl.load(seq_lens_ptr + req * stride_sl, mask=has_req, other=0).to(tl.int64)
     pos = seq_len - (end - start) + (j - start)
     pos_safe = tl.maximum(pos, 0)
-    closes = has_req & (j < end) & (pos >= 0) & ((pos_safe + 1) % compress_ratio == 0)
+    closes = has_req & (j < end) & (pos >= 0) & ((pos_safe + 1) % RATIO == 0)
     slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks, req,
-                         pos_safe // compress_ratio, closes, block_size)
+                         pos_safe // RATIO, closes, BLOCK_SIZE)
     tl.store(out_ptr + j * stride_out, slot, mask=live)
 
 
@@ -231,9 +241,10 @@ def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block
         num_req = seq_lens.shape[0]
         args = (query_start_loc, query_start_loc.stride(0), seq_lens, seq_lens.stride(0),
                 block_table, block_table.stride(0), block_table.stride(1), out, out.stride(0),
-                n, num_req, block_table.shape[1], block_size, compress_ratio, max(num_req.bit_length(), 1))
+                n, num_req, block_table.shape[1], max(num_req.bit_length(), 1))
         launch = _PLANS.put(key, KernelLaunch(_compressed_slot_mapping_kernel, (cdiv(n, _BLOCK_1D),), args,
-                                              dict(BLOCK=_BLOCK_1D), num_warps=4, device=out.device))
+                                              dict(BLOCK_SIZE=block_size, RATIO=compress_ratio, BLOCK=_BLOCK_1D),
+                                              num_warps=4, device=out.device))
     launch(query_start_loc, seq_lens, block_table, out)
 
 
@@ -246,8 +257,8 @@ def _c128a_topk_indices_kernel(
     dec_idx_ptr, stride_di_r, stride_di_c,  # int32 [>=D, >=width]
     dec_lens_ptr, stride_dl,  # int32 [>=D]
     pre_idx_ptr, stride_pi_r, stride_pi_c,  # int32 [>=P, >=width]
-    num_decode, num_req, max_blocks, compress_ratio, block_size, width,
-    BLOCK: tl.constexpr,
+    num_decode, num_req, max_blocks, width,
+    RATIO: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     stride_pos = tl.cast(stride_pos, tl.int64)
     stride_ttr = tl.cast(stride_ttr, tl.int64)
@@ -262,12 +273,12 @@ def _c128a_topk_indices_kernel(
     o = pid_c * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
     cols = o < width
     pos = tl.load(positions_ptr + t * stride_pos)
-    n = _completed_entries(pos, compress_ratio, width)
+    n = _completed_entries(pos, RATIO, width)
     used = o < n
     if t < num_decode:
         req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
         slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
-                             req + tl.zeros_like(o), o, used, block_size)
+                             req + tl.zeros_like(o), o, used, BLOCK_SIZE)
         slot = tl.where(slot > 2147483647, -1, slot)
         tl.store(dec_idx_ptr + t * stride_di_r + o * stride_di_c, slot.to(tl.int32), mask=cols)
         if pid_c == 0:
@@ -293,9 +304,11 @@ def c128a_topk_indices_triton(positions, token_to_req, block_table, slot_mapping
                 decode_indices, decode_indices.stride(0), decode_indices.stride(1),
                 decode_lens, decode_lens.stride(0),
                 prefill_indices, prefill_indices.stride(0), prefill_indices.stride(1),
-                num_decode_tokens, block_table.shape[0], block_table.shape[1], compress_ratio, block_size, width)
-        launch = _PLANS.put(key, KernelLaunch(_c128a_topk_indices_kernel, _grid_rows_cols(num_tokens, width), args,
-                                              dict(BLOCK=_BLOCK_COLS), num_warps=4, device=positions.device))
+                num_decode_tokens, block_table.shape[0], block_table.shape[1], width)
+        block = _row_block(width)
+        launch = _PLANS.put(key, KernelLaunch(_c128a_topk_indices_kernel, (num_tokens, max(cdiv(width, block), 1)), args,
+                                              dict(RATIO=compress_ratio, BLOCK_SIZE=block_size, BLOCK=block),
+                                              num_warps=_row_warps(block), device=positions.device))
     launch(positions, token_to_req, block_table, slot_mapping, decode_indices, decode_lens, prefill_indices)
 
 
@@ -342,8 +355,8 @@ def _swa_indices_kernel(
     slot_mapping_ptr, stride_sm,  # int64 [T]
     idx_ptr, stride_i_r, stride_i_c,  # int32 [>=T, >=window]
     lens_ptr, stride_l,  # int32 [>=T]
-    num_req, max_blocks, window, block_size,
-    BLOCK: tl.constexpr,
+    num_req, max_blocks, window,
+    BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     stride_pos = tl.cast(stride_pos, tl.int64)
     stride_ttr = tl.cast(stride_ttr, tl.int64)
@@ -359,7 +372,7 @@ def _swa_indices_kernel(
     start = tl.where(pos < 0, 0, pos - n + 1)
     req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
     slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
-                         req + tl.zeros_like(o), start + o, o < n, block_size)
+                         req + tl.zeros_like(o), start + o, o < n, BLOCK_SIZE)
     slot = tl.where(slot > 2147483647, -1, slot)
     tl.store(idx_ptr + t * stride_i_r + o * stride_i_c, slot.to(tl.int32), mask=o < window)
     if pid_c == 0:
@@ -379,9 +392,10 @@ def swa_indices_triton(positions, token_to_req, block_table, slot_mapping, windo
         args = (positions, positions.stride(0), token_to_req, token_to_req.stride(0),
                 block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
                 indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
-                block_table.shape[0], block_table.shape[1], window, block_size)
+                block_table.shape[0], block_table.shape[1], window)
         launch = _PLANS.put(key, KernelLaunch(_swa_indices_kernel, _grid_rows_cols(num_tokens, window), args,
-                                              dict(BLOCK=_BLOCK_COLS), num_warps=4, device=positions.device))
+                                              dict(BLOCK_SIZE=block_size, BLOCK=_BLOCK_COLS), num_warps=4,
+                                              device=positions.device))
     launch(positions, token_to_req, block_table, slot_mapping, indices, lens)
 
 
@@ -393,11 +407,12 @@ def _compressed_topk_to_global_kernel(
     slot_mapping_ptr, stride_sm,  # int64 [T]
     idx_ptr, stride_i_r, stride_i_c,  # int32 [>=T, >=K]
     lens_ptr, stride_l,  # int32 [>=T]
-    num_req, max_blocks, k, block_size,
-    BLOCK: tl.constexpr,
+    num_req, max_blocks, k,
+    BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
 ):
     # One program per token walks all K columns, so ``lens`` (the last non-empty column + 1) needs
-    # no cross-program reduction.
+    # no cross-program reduction; ``BLOCK`` covers a whole row up to 1,024 columns, so the lookups of
+    # a row are one batch of loads rather than a chain of them.
     stride_li_r = tl.cast(stride_li_r, tl.int64)
     stride_li_c = tl.cast(stride_li_c, tl.int64)
     stride_ttr = tl.cast(stride_ttr, tl.int64)
@@ -413,7 +428,7 @@ def _compressed_topk_to_global_kernel(
         cols = o < k
         entry = tl.load(local_ptr + t * stride_li_r + o * stride_li_c, mask=cols, other=-1).to(tl.int64)
         slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
-                             req + tl.zeros_like(o), entry, cols, block_size)
+                             req + tl.zeros_like(o), entry, cols, BLOCK_SIZE)
         slot = tl.where(slot > 2147483647, -1, slot)
         tl.store(idx_ptr + t * stride_i_r + o * stride_i_c, slot.to(tl.int32), mask=cols)
         last = tl.maximum(last, tl.where(slot >= 0, o + 1, 0).to(tl.int32))
@@ -434,7 +449,9 @@ def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, s
         args = (local_indices, local_indices.stride(0), local_indices.stride(1), token_to_req, token_to_req.stride(0),
                 block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
                 indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
-                block_table.shape[0], block_table.shape[1], k, block_size)
+                block_table.shape[0], block_table.shape[1], k)
+        block = _row_block(k)
         launch = _PLANS.put(key, KernelLaunch(_compressed_topk_to_global_kernel, (num_tokens,), args,
-                                              dict(BLOCK=_BLOCK_COLS), num_warps=4, device=local_indices.device))
+                                              dict(BLOCK_SIZE=block_size, BLOCK=block), num_warps=_row_warps(block),
+                                              device=local_indices.device))
     launch(local_indices, token_to_req, block_table, slot_mapping, indices, lens)
