@@ -493,7 +493,8 @@ def test_interpreter_compressed_slot_mapping_recorded():
 @pytest.mark.parametrize("batch", INTERP_BATCHES, ids=str)
 def test_interpreter_c128a_topk_indices(batch):
     b = make_batch(**BATCHES[batch])
-    for ratio, block_size, width in [(2, 3, 40), (1, 4, 130)]:  # 130: two column blocks
+    # 130: one program of 256 columns per token; 1100: two column programs (whole rows up to 1,024)
+    for ratio, block_size, width in [(2, 3, 40), (1, 4, 130), (1, 4, 1100)]:
         bufs = c128a_outputs(b, width, capacity=width + 3, extra_rows=1)
         kernels.c128a_topk_indices_triton(b.positions, b.token_to_req, b.block_table, b.slot_mapping, b.num_decode,
                                           ratio, block_size, width, **dict(zip(C128A_OUTPUTS, bufs)))
@@ -524,7 +525,7 @@ def test_interpreter_swa_indices(batch):
 @requires_interpreter
 @pytest.mark.parametrize("batch", INTERP_BATCHES, ids=str)
 def test_interpreter_compressed_topk_to_global(batch):
-    for k in (13, 200):  # 200: two column chunks in the per-token loop
+    for k in (13, 200, 1100):  # 1100: two steps of 1,024 columns in the per-token loop
         b = make_batch(**BATCHES[batch], k=k)
         t = b.local_indices.shape[0]
         outs = (poison(torch.empty(t, k, dtype=I32)), poison(torch.empty(t, dtype=I32)))
