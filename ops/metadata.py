@@ -40,9 +40,10 @@ def _row_warps(block: int) -> int:
     return 4 if block <= 512 else 8
 
 
-def _grid_rows_cols(rows: int, cols: int) -> tuple[int, int]:
-    # Tokens go on grid dimension 0 (CUDA caps dimensions 1 and 2 at 65535, a prefill can exceed it).
-    return (rows, max(cdiv(cols, _BLOCK_COLS), 1))
+def _grid_rows_cols(rows: int, cols: int, block: int = _BLOCK_COLS) -> tuple[int, int]:
+    # Tokens go on grid dimension 0 (CUDA caps dimensions 1 and 2 at 65535, a prefill can exceed it);
+    # at least one column program, which also writes the token's length.
+    return (rows, max(cdiv(cols, block), 1))
 
 
 # =====================================================================================================
@@ -306,7 +307,8 @@ def c128a_topk_indices_triton(positions, token_to_req, block_table, slot_mapping
                 prefill_indices, prefill_indices.stride(0), prefill_indices.stride(1),
                 num_decode_tokens, block_table.shape[0], block_table.shape[1], width)
         block = _row_block(width)
-        launch = _PLANS.put(key, KernelLaunch(_c128a_topk_indices_kernel, (num_tokens, max(cdiv(width, block), 1)), args,
+        grid = _grid_rows_cols(num_tokens, width, block)
+        launch = _PLANS.put(key, KernelLaunch(_c128a_topk_indices_kernel, grid, args,
                                               dict(RATIO=compress_ratio, BLOCK_SIZE=block_size, BLOCK=block),
                                               num_warps=_row_warps(block), device=positions.device))
     launch(positions, token_to_req, block_table, slot_mapping, decode_indices, decode_lens, prefill_indices)
