@@ -474,7 +474,10 @@ if HAS_GLUON:
         mbarrier.wait(p_free, (i & 1) ^ 1)
         p_smem.store(p.to(p_smem.dtype))
         stat_smem.index(0).store(alpha)
-        fence_async_shared()
+        if not FOLD:
+            # P is the second consumer's wgmma operand (the async proxy). fp8_656's P is read back with
+            # plain loads, so it needs no proxy fence (a full memory barrier per block on this path).
+            fence_async_shared()
         _cta_barrier()
         mbarrier.arrive(p_ready)
         alpha_o = gl.convert_layout(alpha, gl.SliceLayout(1, O_L))[:, None]
