@@ -50,7 +50,13 @@ UE8M0_MIN_AMAX = 1e-4  # fp8_584 tiles below this amax share the exponent of 1e-
 _STORE_F32, _STORE_BF16, _STORE_F16 = 0, 1, 2
 _STORE_CODES = {torch.float32: _STORE_F32, torch.bfloat16: _STORE_BF16, torch.float16: _STORE_F16}
 
-_GATHER_BLOCK_N = 16  # slots per program of the gather kernel
+# The gather kernel reads a slot's whole row in one tile (up to 1,024 dims), then stores it. Tiles of
+# fewer dims made each tile's loads wait for the previous tile's stores (the compiler cannot move a load
+# of the cache above a store to ``out``: they may alias), one memory round trip per tile, nine for
+# D = 576. Slots per program: as many as keep a tile at 4,096 values (16 at most).
+_GATHER_MAX_CHUNK = 1024
+_GATHER_TILE = 4096
+_GATHER_BLOCK_N = 16
 
 _PLANS = PlanCache()
 
@@ -312,8 +318,9 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
         dim = cache_dim(kv_cache, kv_format)
         args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * kv_cache.shape[1],
                 kv_cache.shape[1], slots, slots.stride(0), out_bits, out.stride(0), out.stride(1), n)
-        meta = dict(DIM=dim, CHUNK=min(64, next_pow2(dim)), KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store,
-                    BLOCK_N=_GATHER_BLOCK_N)
-        launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, _GATHER_BLOCK_N),), args, meta,
+        chunk = min(_GATHER_MAX_CHUNK, next_pow2(dim))
+        block_n = max(1, min(_GATHER_BLOCK_N, _GATHER_TILE // chunk))
+        meta = dict(DIM=dim, CHUNK=chunk, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store, BLOCK_N=block_n)
+        launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, block_n),), args, meta,
                                               num_warps=4, device=out.device, reinterpret=True))
     launch(kv_cache, slots, out)

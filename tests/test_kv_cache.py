@@ -386,7 +386,7 @@ def test_interpreter_gather(kv_format, dtype):
     ref.fill_cache(cache, written, make_kv(5, FMT_DIM[kv_format], F32, seed=13), kv_format)
     for slot_dtype in (torch.int32, torch.int64):
         slots = torch.tensor([4, -1, 11, 9, 12, 0, 3, 2**31 - 1, 4, -3, 11, 0, 9, 3, 3, 4, 0, 11, -1],
-                             dtype=slot_dtype)  # 19 rows: two programs, the second partial
+                             dtype=slot_dtype)  # 19 rows: several programs, the last partial
         want = naive_gather(cache, slots, kv_format, dtype)
         got = poison(torch.empty(slots.shape[0], FMT_DIM[kv_format], dtype=dtype))
         kernels.kv_cache_gather_triton(cache, slots, kv_format, dtype, out=got)
@@ -395,6 +395,21 @@ def test_interpreter_gather(kv_format, dtype):
         kernels.kv_cache_gather_triton(cache, slots, kv_format, dtype, out=wide[2 : 2 + FMT_DIM[kv_format]].T)
         assert torch.equal(wide[2 : 2 + FMT_DIM[kv_format]].T, want)
         assert wide[:2].isnan().all() and wide[2 + FMT_DIM[kv_format]:].isnan().all()
+
+
+@requires_interpreter
+@pytest.mark.parametrize("dim", [100, 1100])
+def test_interpreter_gather_auto_dims(dim):
+    """A bf16/fp16 cache of any D: a row is one tile up to 1,024 dims (D = 100: 128 with the rest
+    masked, 16 slots per program) or several (D = 1,100: a full tile, then 76 dims of a second; 4 slots
+    per program), each stored only where it lies inside D."""
+    cache = torch.randn(3, 4, dim, generator=torch.Generator().manual_seed(dim)).to(F16)
+    cache[1, 2] = float("nan")  # a slot no valid index reads
+    slots = torch.tensor([5, -1, 11, 0, 12, 7, 2**31 - 1, 3, 11])  # 9 slots: the last program partial
+    want = naive_gather(cache, slots, "auto", F32)
+    got = poison(torch.empty(slots.shape[0], dim, dtype=F32))
+    kernels.kv_cache_gather_triton(cache, slots, "auto", F32, out=got)
+    assert torch.equal(got, want)
 
 
 # =====================================================================================================
