@@ -932,15 +932,29 @@ def _div_rn(x, y):
 
 
 @triton.jit
+def _recip_rn(s):
+    """Correctly rounded float32 ``1 / s`` of a finite scalar."""
+    return tl.math.div_rn(s * 0.0 + 1.0, s)
+
+
+@triton.jit
+def _fast_scale(s):
+    """Whether the scalar total scale ``s`` lets ``_quotient`` take its reciprocal path."""
+    return (tl.abs(s) >= 2.0**-60) & (tl.abs(s) <= 2.0**60)
+
+
+@triton.jit
 def _quotient(x, d, r, FAST: tl.constexpr):
     """float32 ``RN(x / d)`` for ``x`` and ``d``, ``r`` broadcast to ``x``'s shape (``r = RN(1 / d)``).
 
     ``FAST`` (GPU): one product and two fused corrections, ``q = RN(x r)``, ``e = RN(x - q d)``,
     ``RN(q + e r)``, which is the correctly rounded quotient when ``r`` is the correctly rounded
-    reciprocal and nothing over- or underflows (Markstein's theorem; the caller keeps ``d`` inside
-    ``[2**-60, 2**60]`` and ``|x| <= 2**60``, else it takes the other path). Otherwise (the
-    interpreter, whose ``fma`` rounds twice) the IEEE division."""
+    reciprocal and nothing over- or underflows (Markstein's theorem; the callers keep ``d`` inside
+    ``[2**-60, 2**60]`` and clamp ``x`` so that ``|x r|`` stays small, else they take the other path).
+    Otherwise (the interpreter, whose ``fma`` rounds twice) the IEEE division."""
     if FAST:
+        d = tl.broadcast_to(d, x.shape)
+        r = tl.broadcast_to(r, x.shape)
         q = x * r
         e = tl.fma(-q, d, x)
         # A zero quotient keeps the sign of x * r (-0.0 / s is -0.0; the correction would add +0.0).
@@ -959,6 +973,38 @@ def _e4m3_byte(y, HW_CVT: tl.constexpr):
     else:
         bits = e4m3_bits(y)
     return tl.where(y != y, 0x7F, bits)
+
+
+# Four float32 values ($1..$4) to four e4m3fn bytes in one register ($0, value i in byte i): the
+# saturating conversion (round to nearest even; beyond +-448, infinities included, +-448), then every
+# NaN byte (low seven bits all set) loses its sign bit, so that NaN is stored as 0x7F. Adding 1 to a
+# byte's low seven bits carries into its bit 7 exactly when they are all set, and never into the next
+# byte.
+F32X4_TO_E4M3X4 = tl.constexpr("""{
+.reg .b16 lo, hi;
+.reg .b32 w, t;
+cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+mov.b32 w, {lo, hi};
+and.b32 t, w, 0x7F7F7F7F;
+add.u32 t, t, 0x01010101;
+and.b32 t, t, 0x80808080;
+not.b32 t, t;
+and.b32 $0, w, t;
+}""")
+
+
+@triton.jit
+def _e4m3_bytes(y, HW_CVT: tl.constexpr):
+    """uint8 e4m3fn bytes of float32 ``y``: round to nearest even, saturating at +-448, NaN -> 0x7F.
+    On the GPU four values per conversion sequence (``F32X4_TO_E4M3X4``: the saturating hardware
+    conversion makes the clamp, and the bytes come out packed); under the interpreter the clamp and
+    the integer routine."""
+    if HW_CVT:
+        return tl.inline_asm_elementwise(F32X4_TO_E4M3X4, "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True,
+                                         pack=4)
+    else:
+        return _e4m3_byte(_clamp_keep_nan(y, 448.0), False).to(tl.uint8)
 
 
 @triton.jit
@@ -1030,8 +1076,10 @@ def _gqa_kv_cache_insert_kernel(
     slot = tl.where(ok, slot, 0)
     page = slot // PAGE_SIZE
     o = slot - page * PAGE_SIZE
-    ks = tl.full([BLOCK_R], 1.0, tl.float32) * k_scale
-    vs = tl.full([BLOCK_R], 1.0, tl.float32) * v_scale
+    # The total scales are the same for every row: scalars, so that the choice of division below is
+    # a uniform branch on them, with no reduction across the program.
+    ks = k_scale * 1.0
+    vs = v_scale * 1.0
     if HAS_K_SCALE:
         ks = ks * tl.load(k_scale_ptr)
     if HAS_V_SCALE:
@@ -1046,28 +1094,21 @@ def _gqa_kv_cache_insert_kernel(
         v = load_as_f32(v_rows[:, None] + d[None, :] * stride_v_d, in_mask, IN_BF16)
         dst = cache_ptr + (page * stride_c_p + g * stride_c_h + o * stride_c_o)[:, None] + d[None, :]
         if STORE == 0:
+            # Markstein's quotient with the reciprocal of s (see _quotient) is exact when s lies in
+            # [2**-60, 2**60] and x * r cannot overflow. Values are first clamped to +-896 |s| (NaN
+            # kept): a larger |x| has |x / s| > 448, which the clamp below saturates either way, so
+            # the bytes are unchanged and |x r| stays below 2**10. Other scales take the division.
+            fast = False
             if HW_CVT:
-                # x / s with the reciprocal of each row's s (exact for s in [2**-60, 2**60] and
-                # |x| <= 2**60, see _quotient); any other block takes the division.
-                k_r = _div_rn(tl.full([BLOCK_R], 1.0, tl.float32), ks)
-                v_r = _div_rn(tl.full([BLOCK_R], 1.0, tl.float32), vs)
-                in_range = ((tl.abs(ks) >= 2.0**-60) & (tl.abs(ks) <= 2.0**60) & (tl.abs(vs) >= 2.0**-60)
-                            & (tl.abs(vs) <= 2.0**60))
-                # ... and no value past 2**60 (x * r must not overflow; an infinite value takes the division)
-                big = tl.maximum(tl.max(tl.max(tl.abs(k), axis=1), axis=0), tl.max(tl.max(tl.abs(v), axis=1), axis=0))
-                if (tl.min(in_range.to(tl.int32), axis=0) == 1) & (big <= 2.0**60):
-                    k_y = _quotient(k, ks[:, None], k_r[:, None], True)
-                    v_y = _quotient(v, vs[:, None], v_r[:, None], True)
-                else:
-                    k_y = _div_rn(k, ks[:, None])
-                    v_y = _div_rn(v, vs[:, None])
+                fast = _fast_scale(ks) & _fast_scale(vs)
+            if fast:
+                k_y = _quotient(_clamp_keep_nan(k, 896.0 * tl.abs(ks)), ks, _recip_rn(ks), True)
+                v_y = _quotient(_clamp_keep_nan(v, 896.0 * tl.abs(vs)), vs, _recip_rn(vs), True)
             else:
-                k_y = _div_rn(k, ks[:, None])
-                v_y = _div_rn(v, vs[:, None])
-            k_y = _clamp_keep_nan(k_y, 448.0)
-            v_y = _clamp_keep_nan(v_y, 448.0)
-            tl.store(dst, _e4m3_byte(k_y, HW_CVT).to(tl.uint8), mask=in_mask)
-            tl.store(dst + HEAD_DIM, _e4m3_byte(v_y, HW_CVT).to(tl.uint8), mask=in_mask)
+                k_y = _div_rn(k, ks)
+                v_y = _div_rn(v, vs)
+            tl.store(dst, _e4m3_bytes(k_y, HW_CVT), mask=in_mask)
+            tl.store(dst + HEAD_DIM, _e4m3_bytes(v_y, HW_CVT), mask=in_mask)
         else:
             tl.store(dst, _half_bits(k, STORE, HW_CVT), mask=in_mask)
             tl.store(dst + HEAD_DIM, _half_bits(v, STORE, HW_CVT), mask=in_mask)
@@ -1104,36 +1145,34 @@ def _nvfp4_write(x_rows, stride_d, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, 
     lo, hi = tl.split(tl.reshape(x, [BLOCK_R, 8, 8, 2]))  # [BLOCK_R, 8, 8]: values 2i and 2i + 1
     # amax with NaN kept (a plain hardware max drops NaN): a group holding a NaN gets the NaN scale.
     amax = tl.reduce(tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL), 2, _max_keep_nan)
-    six_s = (6.0 * s)[:, None]  # [BLOCK_R, 1]
+    six_s = 6.0 * s
+    # Markstein's quotients (see _quotient) are exact for divisors in [2**-60, 2**60] when nothing
+    # overflows. With |s| in [2**-50, 2**50], 6 s is such a divisor, and so is every group's
+    # d = scale * s whose scale is neither 0 nor NaN (e4m3 magnitudes lie in [2**-9, 448]); groups
+    # with such a scale store codes 0 whatever their quotients. The dividends are clamped first (NaN
+    # kept), to 896 |6 s| and 8 d: past those the quotients saturate (the scale at 448, the code at
+    # 6) either way, so the bytes are unchanged and no product overflows. Other scales divide.
+    fast = False
     if HW_CVT:
-        r6 = _div_rn(tl.full(six_s.shape, 1.0, tl.float32), six_s)
-        in_range = (tl.abs(six_s) >= 2.0**-60) & (tl.abs(six_s) <= 2.0**60) & (amax <= 2.0**60)
-        if tl.min(tl.min(in_range.to(tl.int32), axis=1), axis=0) == 1:
-            scale_y = _quotient(amax, six_s, r6, True)
-        else:
-            scale_y = _div_rn(amax, six_s)
+        fast = (tl.abs(s) >= 2.0**-50) & (tl.abs(s) <= 2.0**50)
+    if fast:
+        amax_c = tl.minimum(amax, 896.0 * tl.abs(six_s), propagate_nan=tl.PropagateNan.ALL)
+        scale_y = _quotient(amax_c, six_s, _recip_rn(six_s), True)
     else:
         scale_y = _div_rn(amax, six_s)
     scale_y = _clamp_keep_nan(scale_y, 448.0)
     scale_bits = _e4m3_byte(scale_y, HW_CVT)  # NaN -> 0x7F
     scale = scale_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact (but for NaN)
-    d = (scale * s[:, None])[:, :, None]  # [BLOCK_R, 8, 1]
+    d = (scale * s)[:, :, None]  # [BLOCK_R, 8, 1]
     # A zero or NaN scale (a NaN group, or a NaN scale tensor): every code of the group is 0. Told from
     # the bits: the interpreter decodes the e4m3 NaN as 480.
     keep = (((scale_bits & 0x7F) != 0) & ((scale_bits & 0x7F) != 0x7F))[:, :, None]
     lo_abs, hi_abs = tl.abs(lo), tl.abs(hi)
-    if HW_CVT:
-        # |x| / d with the reciprocal of each group's d (exact for d in [2**-60, 2**60] and |x| <= 2**60,
-        # see _quotient); a block with a group outside (a zero or NaN scale, a huge value) takes the
-        # division.
+    if fast:
         r = _div_rn(tl.full(d.shape, 1.0, tl.float32), d)
-        in_range = (d >= 2.0**-60) & (d <= 2.0**60) & (amax <= 2.0**60)[:, :, None]  # no overflow in x * r
-        if tl.min(tl.min(tl.min(in_range.to(tl.int32), axis=2), axis=1), axis=0) == 1:
-            lo_y = _quotient(lo_abs, d, r, True)
-            hi_y = _quotient(hi_abs, d, r, True)
-        else:
-            lo_y = _div_rn(lo_abs, d)
-            hi_y = _div_rn(hi_abs, d)
+        cap = 8.0 * d
+        lo_y = _quotient(tl.minimum(lo_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True)
+        hi_y = _quotient(tl.minimum(hi_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True)
     else:
         lo_y = _div_rn(lo_abs, d)
         hi_y = _div_rn(hi_abs, d)

@@ -1785,3 +1785,44 @@ def test_cuda_insert_graph_capture_and_replay(kv_dtype):
         torch.cuda.synchronize()
         gqa_ops.gqa_kv_cache_insert_torch(k, v, slots, mirror, 0.5, 1.0, ks.cpu(), vs.cpu())
         assert_same_bytes(cache, mirror)
+
+
+def _extreme_insert_inputs(kv_dtype):
+    """Values past the saturation (infinities, 1e30), subnormal inputs and signed zeros, whose
+    quotients underflow, and total scales inside and outside the range of the GPU writer's reciprocal
+    path (2**+-50 for NVFP4, 2**+-60 for float8), a negative one and an extreme pair."""
+    cache, k, v, slots, _ = _insert_inputs(kv_dtype, FP32, seed=30)
+    k[1, 0, :8] = torch.tensor([float("inf"), -float("inf"), 1e30, -1e30, 1e-40, -1e-40, -0.0, 3e38])
+    v[1, 1, 16:24] = torch.tensor([-float("inf"), 1e-45, -1e-45, 2.0**-126, -(2.0**-130), 0.0, -0.0, 5e37])
+    k[2, 1, 32:48] = -1e-39  # a whole group of negative subnormals
+    scale_pairs = ((2.0**-49, 2.0**49), (2.0**-51, 2.0**51), (2.0**-59, 2.0**59), (2.0**-61, 2.0**61),
+                   (-0.75, 1.0 / 3.0), (3e-38, 2.0**70))
+    return cache, k, v, slots, scale_pairs
+
+
+@pytest.mark.parametrize("kv_dtype", [FP8, NVFP4], ids=lambda d: DTYPE_NAMES[d])
+def test_insert_extreme_scales_and_values(kv_dtype):
+    """The CPU kernel against the value-by-value reference on the inputs of the GPU test below."""
+    _, k, v, slots, scale_pairs = _extreme_insert_inputs(kv_dtype)
+    for k_scale, v_scale in scale_pairs[::2] + scale_pairs[-2:]:
+        got, want = make_cache(kv_dtype), make_cache(kv_dtype)
+        gqa_kv_cache_insert(k, v, slots, got, k_scale=0.5, v_scale=2.0, k_scale_tensor=torch.tensor([k_scale]),
+                            v_scale_tensor=torch.tensor([v_scale]))
+        naive_insert(want, k, v, slots, 0.5, 2.0, torch.tensor([k_scale]), torch.tensor([v_scale]))
+        assert_same_bytes(got, want)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kv_dtype", [FP8, NVFP4], ids=lambda d: DTYPE_NAMES[d])
+def test_cuda_insert_extreme_scales_and_values_bit_exact(kv_dtype):
+    """The GPU writer's two division paths meet the CPU kernel's bytes at their edges (see
+    _extreme_insert_inputs)."""
+    _, k, v, slots, scale_pairs = _extreme_insert_inputs(kv_dtype)
+    for k_scale, v_scale in scale_pairs:
+        want = make_cache(kv_dtype)
+        gpu = _to_device(make_cache(kv_dtype), "cuda")
+        gqa_kv_cache_insert(k.cuda(), v.cuda(), slots.cuda(), gpu, k_scale=0.5, v_scale=2.0,
+                            k_scale_tensor=torch.tensor([k_scale], device="cuda"),
+                            v_scale_tensor=torch.tensor([v_scale], device="cuda"))
+        gqa_ops.gqa_kv_cache_insert_torch(k, v, slots, want, 0.5, 2.0, torch.tensor([k_scale]), torch.tensor([v_scale]))
+        assert_same_bytes(gpu, want)
