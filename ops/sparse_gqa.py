@@ -1113,9 +1113,15 @@ def _gqa_kv_cache_insert_kernel(
             tl.store(dst, _half_bits(k, STORE, HW_CVT), mask=in_mask)
             tl.store(dst + HEAD_DIM, _half_bits(v, STORE, HW_CVT), mask=in_mask)
     else:
+        # Both rows are loaded before anything is stored: a load cannot move above a store that may
+        # alias it, so V loaded after K's stores would wait a second memory round trip.
+        cols = tl.arange(0, 128)
+        row_mask = ok[:, None] & (cols < 128)[None, :]
+        k = load_as_f32(k_rows[:, None] + cols[None, :].to(tl.int64) * stride_k_d, row_mask, IN_BF16)
+        v = load_as_f32(v_rows[:, None] + cols[None, :].to(tl.int64) * stride_v_d, row_mask, IN_BF16)
         k_slot = cache_ptr + page * stride_c_p + (2 * g) * stride_c_h
-        _nvfp4_write(k_rows, stride_k_d, ks, k_slot, o, ok, PAGE_SIZE, IN_BF16, False, HW_CVT)
-        _nvfp4_write(v_rows, stride_v_d, vs, k_slot + stride_c_h, o, ok, PAGE_SIZE, IN_BF16, True, HW_CVT)
+        _nvfp4_write(k, ks, k_slot, o, ok, PAGE_SIZE, False, HW_CVT)
+        _nvfp4_write(v, vs, k_slot + stride_c_h, o, ok, PAGE_SIZE, True, HW_CVT)
 
 
 @triton.jit
@@ -1132,16 +1138,12 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _nvfp4_write(x_rows, stride_d, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, IN_BF16: tl.constexpr,
-                 V_ORDER: tl.constexpr, HW_CVT: tl.constexpr):
-    """Quantise the 128 values of each row at ``x_rows [BLOCK_R]`` (stride ``stride_d``) with total scales
-    ``s [BLOCK_R]`` and store token ``o``'s 64 data bytes and 8 scale bytes into the NVFP4 slots at
-    ``slot_ptr [BLOCK_R]``. Rows are loaded whole (vector loads) and viewed as [row, group, byte,
-    nibble]: a byte's two values and a group's 16 values stay in one thread."""
+def _nvfp4_write(x, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDER: tl.constexpr, HW_CVT: tl.constexpr):
+    """Quantise the rows ``x [BLOCK_R, 128]`` (float32, loaded whole) with the total scale ``s`` (a
+    scalar) and store token ``o``'s 64 data bytes and 8 scale bytes into the NVFP4 slots at ``slot_ptr
+    [BLOCK_R]``. The rows are viewed as [row, group, byte, nibble]: a byte's two values and a group's
+    16 values stay in one thread."""
     BLOCK_R: tl.constexpr = o.shape[0]
-    cols = tl.arange(0, 128)
-    mask = ok[:, None] & (cols < 128)[None, :]
-    x = load_as_f32(x_rows[:, None] + cols[None, :].to(tl.int64) * stride_d, mask, IN_BF16)
     lo, hi = tl.split(tl.reshape(x, [BLOCK_R, 8, 8, 2]))  # [BLOCK_R, 8, 8]: values 2i and 2i + 1
     # amax with NaN kept (a plain hardware max drops NaN): a group holding a NaN gets the NaN scale.
     amax = tl.reduce(tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL), 2, _max_keep_nan)
