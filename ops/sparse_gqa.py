@@ -938,9 +938,9 @@ def _recip_rn(s):
 
 
 @triton.jit
-def _fast_scale(s):
-    """Whether the scalar total scale ``s`` lets ``_quotient`` take its reciprocal path."""
-    return (tl.abs(s) >= 2.0**-60) & (tl.abs(s) <= 2.0**60)
+def _within(s, bound: tl.constexpr):
+    """Whether the scalar ``|s|`` lies in ``[1 / bound, bound]``."""
+    return (tl.abs(s) >= 1.0 / bound) & (tl.abs(s) <= bound)
 
 
 @triton.jit
@@ -1096,11 +1096,11 @@ def _gqa_kv_cache_insert_kernel(
         if STORE == 0:
             # Markstein's quotient with the reciprocal of s (see _quotient) is exact when s lies in
             # [2**-60, 2**60] and x * r cannot overflow. Values are first clamped to +-896 |s| (NaN
-            # kept): a larger |x| has |x / s| > 448, which the clamp below saturates either way, so
-            # the bytes are unchanged and |x r| stays below 2**10. Other scales take the division.
+            # kept): a larger |x| has |x / s| > 448, which the conversion saturates to 448 either way,
+            # so the bytes are unchanged and |x r| stays below 2**10. Other scales take the division.
             fast = False
             if HW_CVT:
-                fast = _fast_scale(ks) & _fast_scale(vs)
+                fast = _within(ks, 2.0**60) & _within(vs, 2.0**60)
             if fast:
                 k_y = _quotient(_clamp_keep_nan(k, 896.0 * tl.abs(ks)), ks, _recip_rn(ks), True)
                 v_y = _quotient(_clamp_keep_nan(v, 896.0 * tl.abs(vs)), vs, _recip_rn(vs), True)
@@ -1156,7 +1156,7 @@ def _nvfp4_write(x, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDER: tl.con
     # 6) either way, so the bytes are unchanged and no product overflows. Other scales divide.
     fast = False
     if HW_CVT:
-        fast = (tl.abs(s) >= 2.0**-50) & (tl.abs(s) <= 2.0**50)
+        fast = _within(s, 2.0**50)
     if fast:
         amax_c = tl.minimum(amax, 896.0 * tl.abs(six_s), propagate_nan=tl.PropagateNan.ALL)
         scale_y = _quotient(amax_c, six_s, _recip_rn(six_s), True)
