@@ -1087,11 +1087,13 @@ def _gqa_kv_cache_insert_kernel(
     k_rows = k_ptr + n * stride_k_n + g * stride_k_h
     v_rows = v_ptr + n * stride_v_n + g * stride_v_h
 
+    # Both rows are loaded whole before anything is stored: a load cannot move above a store that may
+    # alias it, so V loaded after K's stores would wait a second memory round trip.
+    d = tl.arange(0, BLOCK_D)
+    in_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
+    k = load_as_f32(k_rows[:, None] + d[None, :] * stride_k_d, in_mask, IN_BF16)
+    v = load_as_f32(v_rows[:, None] + d[None, :] * stride_v_d, in_mask, IN_BF16)
     if KV_FMT == 0:
-        d = tl.arange(0, BLOCK_D)
-        in_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
-        k = load_as_f32(k_rows[:, None] + d[None, :] * stride_k_d, in_mask, IN_BF16)
-        v = load_as_f32(v_rows[:, None] + d[None, :] * stride_v_d, in_mask, IN_BF16)
         dst = cache_ptr + (page * stride_c_p + g * stride_c_h + o * stride_c_o)[:, None] + d[None, :]
         if STORE == 0:
             # Markstein's quotient with the reciprocal of s (see _quotient) is exact when s lies in
@@ -1113,12 +1115,6 @@ def _gqa_kv_cache_insert_kernel(
             tl.store(dst, _half_bits(k, STORE, HW_CVT), mask=in_mask)
             tl.store(dst + HEAD_DIM, _half_bits(v, STORE, HW_CVT), mask=in_mask)
     else:
-        # Both rows are loaded before anything is stored: a load cannot move above a store that may
-        # alias it, so V loaded after K's stores would wait a second memory round trip.
-        cols = tl.arange(0, 128)
-        row_mask = ok[:, None] & (cols < 128)[None, :]
-        k = load_as_f32(k_rows[:, None] + cols[None, :].to(tl.int64) * stride_k_d, row_mask, IN_BF16)
-        v = load_as_f32(v_rows[:, None] + cols[None, :].to(tl.int64) * stride_v_d, row_mask, IN_BF16)
         k_slot = cache_ptr + page * stride_c_p + (2 * g) * stride_c_h
         _nvfp4_write(k, ks, k_slot, o, ok, PAGE_SIZE, False, HW_CVT)
         _nvfp4_write(v, vs, k_slot + stride_c_h, o, ok, PAGE_SIZE, True, HW_CVT)

@@ -20,25 +20,14 @@ import torch
 
 from torch_sparse_mla import gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.bench.common import graph_us
-from torch_sparse_mla.bench.gqa import FORMATS, HEAD_DIM, HKV, INSERT_TOKENS, KEY_BYTES, PAGE_SIZE, _decode_inputs
+from torch_sparse_mla.bench.gqa import (FORMATS, INSERT_SCALES, KEY_BYTES, _decode_inputs, insert_bytes,
+                                        insert_inputs)
 
 
 def _decode(inputs):
     (q, kv_cache, topk_pages, block_table, kv_lens, qo, dql, scale), out = inputs
     sparse_gqa_decode(q, kv_cache, topk_pages, block_table, kv_lens, qo, decode_query_len=dql, softmax_scale=scale,
                       out=out)
-
-
-def _insert_inputs(kv_format: str, seed: int):
-    gen = torch.Generator().manual_seed(seed)
-    pages = 2 * INSERT_TOKENS // PAGE_SIZE
-    if kv_format == "fp8":
-        cache = torch.zeros(pages, HKV, PAGE_SIZE, 2 * HEAD_DIM, dtype=torch.float8_e4m3fn, device="cuda")
-    else:
-        cache = torch.zeros(pages, 2 * HKV, PAGE_SIZE, 72, dtype=torch.uint8, device="cuda")
-    k, v = (torch.randn(INSERT_TOKENS, HKV, HEAD_DIM, generator=gen).to("cuda", torch.bfloat16) for _ in range(2))
-    slots = torch.randperm(pages * PAGE_SIZE, generator=gen)[:INSERT_TOKENS].to("cuda")
-    return k, v, slots, cache
 
 
 def _report(name: str, sets: list, call, mbytes: float) -> None:
@@ -68,11 +57,10 @@ def main() -> None:
             _report(f"decode {kv_format} T={rows}", sets, _decode, keys / args.calls * KEY_BYTES[kv_format] / 1e6)
             del sets
             torch.cuda.empty_cache()
-        sets = [_insert_inputs(kv_format, seed=7 + i) for i in range(args.calls)]
-        written = KEY_BYTES[kv_format] * INSERT_TOKENS * HKV
-        moved = (2 * INSERT_TOKENS * HKV * HEAD_DIM * 2 + INSERT_TOKENS * 8 + written) / 1e6
+        sets = [insert_inputs(kv_format, "cuda", seed=7 + i) for i in range(args.calls)]
+        k_scale, v_scale = INSERT_SCALES
         _report(f"gqa_kv_cache_insert {kv_format}", sets,
-                lambda s: gqa_kv_cache_insert(s[0], s[1], s[2], s[3], k_scale=0.05, v_scale=0.5), moved)
+                lambda s: gqa_kv_cache_insert(*s, k_scale=k_scale, v_scale=v_scale), insert_bytes(kv_format) / 1e6)
         del sets
     tiny = torch.zeros(1, device="cuda")
 

@@ -70,22 +70,15 @@ def sweep_decode(kv_format):
 
 
 def sweep_insert():
+    k_scale, v_scale = gqa.INSERT_SCALES
     for kv_format in gqa.FORMATS:
-        case = gqa._insert_case(kv_format, "cuda")
+        k, v, slots, cache = gqa.insert_inputs(kv_format, "cuda")  # the benchmark's inputs
         for rows in INSERT_ROWS:
-            k = torch.randn(gqa.INSERT_TOKENS, gqa.HKV, gqa.HEAD_DIM, device="cuda").to(torch.bfloat16)
-            slots = torch.randperm(2 * gqa.INSERT_TOKENS, device="cuda")[:gqa.INSERT_TOKENS]
-            if kv_format == "fp8":
-                cache = torch.zeros(2 * gqa.INSERT_TOKENS // gqa.PAGE_SIZE, gqa.HKV, gqa.PAGE_SIZE, 2 * gqa.HEAD_DIM,
-                                    dtype=torch.float8_e4m3fn, device="cuda")
-            else:
-                cache = torch.zeros(2 * gqa.INSERT_TOKENS // gqa.PAGE_SIZE, 2 * gqa.HKV, gqa.PAGE_SIZE, 72,
-                                    dtype=torch.uint8, device="cuda")
+            def run(rows=rows):
+                ops.gqa_kv_cache_insert_triton(k, v, slots, cache, k_scale, v_scale, block_r=rows)
 
-            def run(rows=rows, cache=cache, k=k, slots=slots):
-                ops.gqa_kv_cache_insert_triton(k, k, slots, cache, 0.05, 0.5, block_r=rows)
-
-            print(f"insert {kv_format} rows/program={rows:>3}: {graph_us(run):7.1f} us  ({case.name})", flush=True)
+            print(f"insert {kv_format} N={gqa.INSERT_TOKENS} rows/program={rows:>3}: {graph_us(run):7.1f} us",
+                  flush=True)
 
 
 def main(argv):

@@ -124,19 +124,34 @@ def _decode_cases(kv_format: str, quick: bool, device: str, smoke: bool) -> Iter
             )
 
 
-def _insert_case(kv_format: str, device: str, tokens: int = INSERT_TOKENS) -> Case:
-    gen = torch.Generator().manual_seed(7)
+INSERT_SCALES = (0.05, 0.5)  # k_scale, v_scale of the insert cases
+
+
+def insert_inputs(kv_format: str, device: str, tokens: int = INSERT_TOKENS, seed: int = 7):
+    """``(k, v, slots, cache)`` of an insert case: bf16 K and V, distinct random slots into an empty
+    cache of twice as many slots."""
+    gen = torch.Generator().manual_seed(seed)
     num_pages = 2 * tokens // PAGE_SIZE  # half the slots are written
     if kv_format == "fp8":
         shape, dtype = (num_pages, HKV, PAGE_SIZE, 2 * HEAD_DIM), torch.float8_e4m3fn
     else:
         shape, dtype = (num_pages, 2 * HKV, PAGE_SIZE, 72), torch.uint8
     cache = torch.zeros(shape, dtype=dtype, device=device)
-    ref_cache = torch.zeros_like(cache)
     k, v = (torch.randn(tokens, HKV, HEAD_DIM, generator=gen).to(device=device, dtype=torch.bfloat16)
             for _ in range(2))
     slots = torch.randperm(num_pages * PAGE_SIZE, generator=gen)[:tokens].to(device)
-    k_scale, v_scale = 0.05, 0.5
+    return k, v, slots, cache
+
+
+def insert_bytes(kv_format: str, tokens: int = INSERT_TOKENS) -> float:
+    """Bytes an insert call must move: bf16 K and V read, the int64 slots, the bytes written."""
+    return float(2 * tokens * HKV * HEAD_DIM * 2 + tokens * 8 + KEY_BYTES[kv_format] * tokens * HKV)
+
+
+def _insert_case(kv_format: str, device: str, tokens: int = INSERT_TOKENS) -> Case:
+    k, v, slots, cache = insert_inputs(kv_format, device, tokens)
+    ref_cache = torch.zeros_like(cache)
+    k_scale, v_scale = INSERT_SCALES
 
     def run():
         gqa_kv_cache_insert(k, v, slots, cache, k_scale=k_scale, v_scale=v_scale)
@@ -152,11 +167,10 @@ def _insert_case(kv_format: str, device: str, tokens: int = INSERT_TOKENS) -> Ca
         a, b = cache.view(torch.uint8), ref_cache.view(torch.uint8)
         return f"bytes {(a != b).float().mean().item():.1e}"
 
-    written = KEY_BYTES[kv_format] * tokens * HKV
     return Case(
         name=f"gqa_kv_cache_insert {kv_format} N={tokens} Hkv={HKV} D={HEAD_DIM} bf16 k/v",
         flops=0.0,
-        bytes=float(2 * k.numel() * k.element_size() + slots.numel() * 8 + written),
+        bytes=insert_bytes(kv_format, tokens),
         run=run,
         reference=reference,
         check=check,
