@@ -31,7 +31,7 @@ import torch
 
 from ..meta_kernels._formats import FORMAT_IDS, cache_dim
 from ._formats import dequantize_torch, load_kv_cols, written_slots
-from ._launch import KernelLaunch, PlanCache, cdiv, next_pow2
+from ._launch import KernelLaunch, PlanCache, cdiv, next_pow2, prev_pow2
 from ._rounding import bf16_bits as _bf16_bits
 from ._rounding import e4m3_bits as _e4m3_bits
 from ._rounding import f16_bits as _f16_bits
@@ -57,6 +57,9 @@ _STORE_CODES = {torch.float32: _STORE_F32, torch.bfloat16: _STORE_BF16, torch.fl
 _GATHER_MAX_CHUNK = 1024
 _GATHER_TILE = 4096
 _GATHER_BLOCK_N = 16
+# An "auto" cache gathered into its own dtype is a copy of bits (``_kv_cache_copy_kernel``); off, it
+# takes the dequantising kernel as the other formats do (the same bytes; kept for comparisons).
+GATHER_COPY = True
 
 _PLANS = PlanCache()
 
@@ -209,46 +212,58 @@ def _kv_cache_insert_kernel(
     stride_page = tl.cast(stride_page, tl.int64)
     stride_row = tl.cast(stride_row, tl.int64)
     page_size = tl.cast(page_size, tl.int64)  # page_size * 576 passes 2**31 for large fp8_584 pages
-    # One program per token: a record is a few hundred bytes, written once.
+    # One program per token: a record is a few hundred bytes, written once. Every load is issued before
+    # the slot is known and before any store: the stores are masked by the slot's validity rather than
+    # placed under a branch (a branch lets the compiler sink the loads into it, after the slot's load
+    # returns), ``kv`` is ``[N, D]`` and always readable, and a load of ``kv`` cannot move above a store
+    # to the cache (they may alias). So a program waits for one memory round trip before it stores, not
+    # for the slot's, then the values', then the rope's.
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_ptr + i * stride_slot)
-    if (slot >= 0) & (slot < num_slots):
-        page = slot // page_size
-        row = slot - page * page_size
-        page_base = page * stride_page  # int64
-        kv_row = kv_ptr + i * stride_kv_n
-        if KV_FORMAT == 0:
-            for c0 in range(0, dim, BLOCK_D):
-                cols = c0 + tl.arange(0, BLOCK_D)
-                live = cols < dim
-                x = _load_as_f32(kv_row + cols * stride_kv_d, live, KV_IS_BF16)
-                _store_converted(cache_ptr + page_base + row * stride_row + cols, x, live, STORE_DTYPE)
+    kv_row = kv_ptr + i * stride_kv_n
+    if KV_FORMAT == 0:
+        c = tl.arange(0, BLOCK_D)
+        x0 = _load_as_f32(kv_row + c * stride_kv_d, c < dim, KV_IS_BF16)  # the first BLOCK_D dims
+    else:
+        t = tl.arange(0, TILES_P2)
+        cols = t[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [TILES_P2, TILE]
+        in_tile = (t < NUM_TILES)[:, None] & (cols >= 0)
+        x = _load_as_f32(kv_row + cols * stride_kv_d, in_tile, KV_IS_BF16)
+        r = tl.arange(0, 64)
+        rope = _load_as_f32(kv_row + (FP8_DIMS + r) * stride_kv_d, r < 64, KV_IS_BF16)
+    ok = (slot >= 0) & (slot < num_slots)
+    slot = tl.where(ok, slot, 0)
+    page = slot // page_size
+    row = slot - page * page_size
+    page_base = page * stride_page  # int64
+    if KV_FORMAT == 0:
+        row_ptr = cache_ptr + page_base + row * stride_row
+        _store_converted(row_ptr + c, x0, (c < dim) & ok, STORE_DTYPE)
+        for c0 in range(BLOCK_D, dim, BLOCK_D):  # D > BLOCK_D (1,024) only
+            cols = c0 + tl.arange(0, BLOCK_D)
+            live = cols < dim
+            x1 = _load_as_f32(kv_row + cols * stride_kv_d, live, KV_IS_BF16)
+            _store_converted(row_ptr + cols, x1, live & ok, STORE_DTYPE)
+    else:
+        record = cache_ptr + page_base + row * ROW_BYTES
+        ax = tl.abs(x)
+        amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only (NaN, inf: 0)
+        # div_rn does not broadcast: both operands get the full shape.
+        e4m3_max = tl.full([TILES_P2], 448.0, tl.float32)
+        if KV_FORMAT == 1:
+            scale = tl.maximum(tl.math.div_rn(amax, e4m3_max), 1.1754943508222875e-38)
+            q = _e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [TILES_P2, TILE])))
+            _store_bytes(record + 512, scale.to(tl.int32, bitcast=True), 4, (t < NUM_TILES)[:, None] & ok)
         else:
-            record = cache_ptr + page_base + row * ROW_BYTES
-            t = tl.arange(0, TILES_P2)
-            cols = t[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [TILES_P2, TILE]
-            in_tile = (t < NUM_TILES)[:, None] & (cols >= 0)
-            x = _load_as_f32(kv_row + cols * stride_kv_d, in_tile, KV_IS_BF16)
-            ax = tl.abs(x)
-            amax = tl.max(tl.where(ax < float("inf"), ax, 0.0), axis=1)  # finite values only (NaN, inf: 0)
-            # div_rn does not broadcast: both operands get the full shape.
-            e4m3_max = tl.full([TILES_P2], 448.0, tl.float32)
-            if KV_FORMAT == 1:
-                scale = tl.maximum(tl.math.div_rn(amax, e4m3_max), 1.1754943508222875e-38)
-                q = _e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [TILES_P2, TILE])))
-                _store_bytes(record + 512, scale.to(tl.int32, bitcast=True), 4, (t < NUM_TILES)[:, None])
-            else:
-                y_bits = tl.math.div_rn(tl.maximum(amax, 1e-4), e4m3_max).to(tl.int32, bitcast=True)
-                e = ((y_bits >> 23) & 0xFF) - 127 + ((y_bits & 0x7FFFFF) != 0).to(tl.int32)
-                inv_scale = (tl.minimum(tl.maximum(127 - e, 1), 254) << 23).to(tl.float32, bitcast=True)
-                q = _e4m3_bits(x * inv_scale[:, None])
-                exps = tl.where(t < NUM_TILES, tl.minimum(tl.maximum(e + 127, 0), 255), 0)  # 8th byte: 0
-                tl.store(cache_ptr + page_base + page_size * 576 + row * 8 + t, exps.to(tl.uint8))
-            tl.store(record + cols, q.to(tl.uint8), mask=in_tile)
-            r = tl.arange(0, 64)
-            rope = _load_as_f32(kv_row + (FP8_DIMS + r) * stride_kv_d, r < 64, KV_IS_BF16)
-            # fp8_656: after the 512 e4m3 bytes and 16 scale bytes; fp8_584: after the 448 e4m3 bytes
-            _store_bytes(record + (528 if KV_FORMAT == 1 else 448), _bf16_bits(rope), 2, (r < 64)[:, None])
+            y_bits = tl.math.div_rn(tl.maximum(amax, 1e-4), e4m3_max).to(tl.int32, bitcast=True)
+            e = ((y_bits >> 23) & 0xFF) - 127 + ((y_bits & 0x7FFFFF) != 0).to(tl.int32)
+            inv_scale = (tl.minimum(tl.maximum(127 - e, 1), 254) << 23).to(tl.float32, bitcast=True)
+            q = _e4m3_bits(x * inv_scale[:, None])
+            exps = tl.where(t < NUM_TILES, tl.minimum(tl.maximum(e + 127, 0), 255), 0)  # 8th byte: 0
+            tl.store(cache_ptr + page_base + page_size * 576 + row * 8 + t, exps.to(tl.uint8), mask=(t >= 0) & ok)
+        tl.store(record + cols, q.to(tl.uint8), mask=in_tile & ok)
+        # fp8_656: after the 512 e4m3 bytes and 16 scale bytes; fp8_584: after the 448 e4m3 bytes
+        _store_bytes(record + (528 if KV_FORMAT == 1 else 448), _bf16_bits(rope), 2, (r < 64)[:, None] & ok)
 
 
 def _int16_view_of_bf16(t: torch.Tensor) -> torch.Tensor:
@@ -305,13 +320,91 @@ def _kv_cache_gather_kernel(
         _store_converted(ptrs, vals, live[:, None] & (cols < DIM)[None, :], STORE_DTYPE)
 
 
+@triton.jit
+def _kv_cache_copy_kernel(
+    cache_ptr, stride_page, stride_row, num_slots,  # an "auto" cache as int16 / int32 bits
+    slots_ptr, stride_slots,  # int32 / int64 [N]
+    out_ptr, stride_out_n, stride_out_d,  # [N, D], the same bits type as the cache
+    n,
+    DIM: tl.constexpr,  # D
+    PAGE_SIZE: tl.constexpr,
+    HEAD: tl.constexpr,  # prev_pow2(D): the first tile's dims
+    TAIL: tl.constexpr,  # next_pow2(D - HEAD), 0 when D is a power of two: the second tile's
+    ABS_MASK: tl.constexpr,  # the bits below the sign
+    INF_BITS: tl.constexpr,  # the magnitude bits of infinity: above it, NaN
+    NAN_BITS: tl.constexpr,  # the canonical NaN
+    BLOCK_N: tl.constexpr,  # slots per program
+):
+    """``kv_cache_gather`` of an "auto" cache into its own dtype: a copy of each slot's bits, with every
+    NaN pattern replaced by the canonical one (the result of the dequantising path for the same
+    values). A row is at most two tiles (``HEAD`` dims, then the rest), both loaded before anything is
+    stored (a load of the cache cannot move above a store to ``out``: they may alias)."""
+    stride_page = tl.cast(stride_page, tl.int64)  # the offset rule (ops/_launch.py)
+    stride_row = tl.cast(stride_row, tl.int64)
+    stride_slots = tl.cast(stride_slots, tl.int64)
+    stride_out_n = tl.cast(stride_out_n, tl.int64)
+    stride_out_d = tl.cast(stride_out_d, tl.int64)
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    live = rows < n
+    slot = tl.load(slots_ptr + rows * stride_slots, mask=live, other=-1).to(tl.int64)
+    valid = live & (slot >= 0) & (slot < num_slots)
+    slot = tl.where(valid, slot, 0)
+    page = slot // PAGE_SIZE
+    base = page * stride_page + (slot - page * PAGE_SIZE) * stride_row
+    c = tl.arange(0, HEAD)
+    a = tl.load(cache_ptr + base[:, None] + c[None, :], mask=valid[:, None], other=0)
+    if TAIL > 0:
+        ct = HEAD + tl.arange(0, TAIL)
+        in_dim = (ct < DIM)[None, :]
+        b = tl.load(cache_ptr + base[:, None] + ct[None, :], mask=valid[:, None] & in_dim, other=0)
+    out_rows = out_ptr + rows[:, None] * stride_out_n
+    a = tl.where((a & ABS_MASK) > INF_BITS, NAN_BITS, a).to(a.dtype)
+    tl.store(out_rows + c[None, :] * stride_out_d, a, mask=live[:, None])
+    if TAIL > 0:
+        b = tl.where((b & ABS_MASK) > INF_BITS, NAN_BITS, b).to(b.dtype)
+        tl.store(out_rows + ct[None, :] * stride_out_d, b, mask=live[:, None] & in_dim)
+
+
+# The copy kernel's bits view and NaN patterns per dtype: (int dtype, magnitude mask, infinity, NaN).
+_COPY_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, 0x7FC0),
+              torch.float16: (torch.int16, 0x7FFF, 0x7C00, 0x7E00),
+              torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000, 0x7FC00000)}
+# Longest row the copy kernel takes (its first tile is the largest power of two in D); values per
+# program's first tile (slots per program: as many as fit, 16 at most), warps per program.
+_COPY_MAX_DIM = 4096
+_COPY_TILE = 4096
+_COPY_WARPS = 4
+
+
+def _copy_launch(kv_cache, slots, out, n) -> KernelLaunch | None:
+    """The copy kernel's launch for an "auto" cache gathered into its own dtype, or None."""
+    dim = kv_cache.shape[2]
+    if out.dtype != kv_cache.dtype or out.dtype not in _COPY_BITS or dim > _COPY_MAX_DIM or kv_cache.stride(2) != 1:
+        return None
+    bits, abs_mask, inf_bits, nan_bits = _COPY_BITS[out.dtype]
+    head = prev_pow2(dim)
+    tail = next_pow2(dim - head) if dim > head else 0
+    block_n = max(1, min(_GATHER_BLOCK_N, _COPY_TILE // head))
+    page_size = kv_cache.shape[1]
+    args = (kv_cache.view(bits), kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * page_size,
+            slots, slots.stride(0), out.view(bits), out.stride(0), out.stride(1), n)
+    meta = dict(DIM=dim, PAGE_SIZE=page_size, HEAD=head, TAIL=tail, ABS_MASK=abs_mask, INF_BITS=inf_bits,
+                NAN_BITS=nan_bits, BLOCK_N=block_n)
+    return KernelLaunch(_kv_cache_copy_kernel, (cdiv(n, block_n),), args, meta, num_warps=_COPY_WARPS,
+                        device=out.device, reinterpret=True)
+
+
 def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
     n = out.shape[0]
     if n == 0:
         return
     key = ("kv_cache_gather", kv_cache.shape, kv_cache.stride(), kv_cache.dtype, slots.stride(0), slots.dtype,
-           out.shape, out.stride(), out.dtype, kv_format, out.device)
+           out.shape, out.stride(), out.dtype, kv_format, out.device, GATHER_COPY)
     launch = _PLANS.get(key)
+    if launch is None and kv_format == "auto" and GATHER_COPY:
+        launch = _copy_launch(kv_cache, slots, out, n)
+        if launch is not None:
+            launch = _PLANS.put(key, launch)
     if launch is None:
         store = _STORE_CODES[out.dtype]
         out_bits = out if store == _STORE_F32 else out.view(torch.int16)  # planned as int16, see the insert

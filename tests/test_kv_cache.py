@@ -398,6 +398,22 @@ def test_interpreter_gather(kv_format, dtype):
 
 
 @requires_interpreter
+@pytest.mark.parametrize("dim", [100, 1024, 2100])
+def test_interpreter_insert_auto_dims(dim):
+    """A bf16 / float32 "auto" cache of any D: the first 1,024 dims are loaded before the slot is
+    tested, the rest (D = 2,100: two more steps, the last partial) inside; skipped and out-of-range
+    slots write nothing."""
+    for kv_dtype, cache_dtype in ((BF16, BF16), (F16, F32)):
+        cache = cache_for("auto", "ps3-pad7", dim=dim, dtype=cache_dtype)
+        want = cache_for("auto", "ps3-pad7", dim=dim, dtype=cache_dtype)
+        slots = torch.tensor([5, -1, 11, 0, 2**40, 7])
+        kv = make_kv(slots.shape[0], 2 * dim, kv_dtype, seed=dim)[:, ::2]  # strided
+        kernels.kv_cache_insert_triton(kv, slots, cache, "auto")
+        naive_insert(want, kv, slots, "auto")
+        assert_same_bytes(cache, want)
+
+
+@requires_interpreter
 @pytest.mark.parametrize("dim", [100, 1100])
 def test_interpreter_gather_auto_dims(dim):
     """A bf16/fp16 cache of any D: a row is one tile up to 1,024 dims (D = 100: 128 with the rest
@@ -410,6 +426,50 @@ def test_interpreter_gather_auto_dims(dim):
     got = poison(torch.empty(slots.shape[0], dim, dtype=F32))
     kernels.kv_cache_gather_triton(cache, slots, "auto", F32, out=got)
     assert torch.equal(got, want)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("dim", [100, 576, 1024, 4100])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "fp16", "fp32"])
+def test_interpreter_gather_auto_copy(dtype, dim):
+    """An "auto" cache gathered into its own dtype copies bits (``_kv_cache_copy_kernel``: a row in one
+    tile of a power of two of dims and one of the rest; D = 4,100 is past the copy kernel's limit and
+    takes the dequantising kernel): NaN patterns of every kind become the canonical NaN, infinities,
+    signed zeros and subnormals keep their bits, empty slots give zeros, and the bytes equal the
+    dequantising kernel's (in the interpreter, but for the bf16 subnormal, which it flushes)."""
+    pages, page_size = 2, 3
+    cache = torch.randn(pages, page_size, dim + 5, generator=torch.Generator().manual_seed(dim)).to(dtype)
+    cache = cache[:, :, 2 : 2 + dim]  # a row stride wider than D
+    bits = int_bits(cache)
+    width = 16 if dtype != F32 else 32
+    nans = [0x7FC1, -0x003F, 0x7F81] if dtype == BF16 else [0x7E01, -0x0200, 0x7C01] if dtype == F16 else \
+        [0x7F800001, -0x00000001, 0x7FC00123]
+    copies = dim <= kernels._COPY_MAX_DIM
+    specials = [float("inf"), float("-inf"), -0.0]
+    if copies or dtype != BF16:  # (the interpreter's dequantising kernel flushes bf16 subnormals)
+        specials.append(torch.finfo(dtype).tiny / 4)
+    for j, v in enumerate(nans):
+        bits[0, 1, j * 7 % dim] = v - (1 << width) if v >= 1 << (width - 1) else v
+    for j, v in enumerate(specials):
+        cache[1, 0, (3 + j * 11) % dim] = v
+    cache[1, 2] = float("nan")  # a slot no valid index reads
+    slots = torch.tensor([1, -1, 3, 0, 6, 4, 2**31 - 1, 2, 3])  # 9 slots: the last program partial
+    want = naive_gather(cache, slots, "auto", dtype)
+    assert (kernels._copy_launch(cache, slots, want, 9) is not None) == copies
+    got = poison(torch.empty(slots.shape[0], dim, dtype=dtype))
+    kernels.kv_cache_gather_triton(cache, slots, "auto", dtype, out=got)
+    assert torch.equal(int_bits(got), int_bits(want))
+    assert (int_bits(got[0]) == int_bits(cache[0, 1])).sum() == dim - len(nans)  # only the NaNs changed
+    assert torch.equal(got[1], torch.zeros(dim, dtype=dtype)) and torch.equal(got[6], got[1])
+    try:
+        kernels.GATHER_COPY = False
+        other = poison(torch.empty(slots.shape[0], dim, dtype=dtype))
+        kernels.kv_cache_gather_triton(cache, slots, "auto", dtype, out=other)
+    finally:
+        kernels.GATHER_COPY = True
+    if dtype == BF16 and copies:  # the interpreter widens bf16 with subnormals flushed (the GPU does not)
+        other[slots == 3] = got[slots == 3]  # slot 3 = cache[1, 0] holds it
+    assert torch.equal(int_bits(other), int_bits(got))
 
 
 # =====================================================================================================
@@ -448,7 +508,9 @@ def cache_step(kv576, kv512, slots, read_slots, cache_auto, cache_656, cache_584
     for kv_format, kv, cache in (("auto", kv576, cache_auto), ("fp8_656", kv576, cache_656),
                                  ("fp8_584", kv512, cache_584)):
         tsm.kv_cache_insert(kv, slots, cache, kv_format=kv_format)
-        outs.append(tsm.kv_cache_gather(cache, read_slots, kv_format=kv_format, dtype=F32))
+        # auto: the default dtype, the cache's own (the copy kernel); the others dequantise to float32
+        outs.append(tsm.kv_cache_gather(cache, read_slots, kv_format=kv_format,
+                                        dtype=None if kv_format == "auto" else F32))
     return outs
 
 
@@ -623,10 +685,12 @@ def test_cuda_graph_capture_replay(kv_format):
     n = slots0.shape[0]
     static_kv, static_slots, static_read = kv0.cuda(), slots0.cuda(), read0.cuda()
     out = torch.empty(n, dim, dtype=F32, device="cuda")
+    out16 = torch.empty(n, dim, dtype=BF16, device="cuda")  # auto: the copy kernel (a bf16 cache)
 
     def step():
         ops.kv_cache_insert(static_kv, static_slots, cache, kv_format)
         ops.kv_cache_gather.out(cache, static_read, kv_format, F32, out=out)
+        ops.kv_cache_gather.out(cache, static_read, kv_format, BF16, out=out16)
 
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -643,11 +707,13 @@ def test_cuda_graph_capture_replay(kv_format):
         static_slots.copy_(slots)
         static_read.copy_(read)
         poison(out)
+        poison(out16)
         graph.replay()
         torch.cuda.synchronize()
         kernels.kv_cache_insert_torch(kv, slots, mirror, kv_format)
         assert_same_bytes(cache, mirror)
         assert torch.equal(out.cpu(), naive_gather(mirror, read, kv_format, F32))
+        assert torch.equal(out16.cpu(), naive_gather(mirror, read, kv_format, BF16))
 
 
 class CacheStep(torch.nn.Module):
