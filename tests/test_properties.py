@@ -407,7 +407,13 @@ def test_sparse_mla_decode(backend, data, kv_format, t, h, k, k2, sink, scale):
             tol = tol + 2**-8 * abs(scale) * qk_abs[finite]
         assert (err <= tol).all(), (err, tol)
         return
-    assert_matches(out, lse, ref_out, ref_lse, tensor_cores=backend != "cpu", rounded_k=rounds_k)
+    if rounds_k:
+        # The generic fp8_656 path rounds the dequantised K to the query dtype for the scores: compare with
+        # a reference that does the same (a bound of 2^-9 of scale * sum |q k| per score was too loose to
+        # test much, and a fixed tolerance too tight: on an H200 a bf16 query with one candidate gave an
+        # lse 0.08 from the exact one, exactly the rounded K's score).
+        ref_out, ref_lse = mla_reference(**kwargs, score_k_dtype=kwargs["q"].dtype)
+    assert_matches(out, lse, ref_out, ref_lse, tensor_cores=backend != "cpu")
 
 
 # =====================================================================================================
