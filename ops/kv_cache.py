@@ -53,10 +53,17 @@ _STORE_CODES = {torch.float32: _STORE_F32, torch.bfloat16: _STORE_BF16, torch.fl
 # The gather kernel reads a slot's whole row in one tile (up to 1,024 dims), then stores it. Tiles of
 # fewer dims made each tile's loads wait for the previous tile's stores (the compiler cannot move a load
 # of the cache above a store to ``out``: they may alias), one memory round trip per tile, nine for
-# D = 576. Slots per program: as many as keep a tile at 4,096 values (16 at most).
+# D = 576. Slots per program: one per ``_GATHER_ROWS_PER_SLOT`` slots of the call (a power of two, at
+# least one), at most as many as keep a tile at 4,096 values (16 at most): small calls are bound by one
+# program's chain of loads, so more programs with fewer slots each finish sooner. An H200, one call per
+# CUDA graph, µs at N = 1 / 128 / 4096 with 1 / 2 / 4 / 8 slots per program: fp8_584 5.70 / 6.08 / 6.30 /
+# 7.07, 6.06 / 6.11 / 6.37 / 7.23, 13.47 / 11.62 / 10.24 / 10.46; fp8_656 (1 / 1 / 2 / 4 slots) 6.05 /
+# 6.08 / 6.27 / 6.46, 6.46 / 6.46 / 6.59 / 7.01, 14.08 / 14.14 / 12.51 / 11.42 (8 before: 7.07 / 7.23 /
+# 10.46 and 6.46 / 7.01 / 11.42).
 _GATHER_MAX_CHUNK = 1024
 _GATHER_TILE = 4096
 _GATHER_BLOCK_N = 16
+_GATHER_ROWS_PER_SLOT = 1024
 # An "auto" cache gathered into its own dtype is a copy of bits (``_kv_cache_copy_kernel``); off, it
 # takes the dequantising kernel as the other formats do (the same bytes; kept for comparisons).
 GATHER_COPY = True
@@ -370,13 +377,18 @@ _COPY_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, 0x7FC0),
               torch.float16: (torch.int16, 0x7FFF, 0x7C00, 0x7E00),
               torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000, 0x7FC00000)}
 # Longest row the copy kernel takes (its first tile is the largest power of two in D); values per
-# program's first tile (slots per program: as many as fit, 16 at most), warps per program. An H200,
+# program's first tile (the most slots a program takes, see ``_gather_slots``), warps per program. An H200,
 # D = 576 bf16, one call per CUDA graph, µs at N = 1 / 128 / 4096: tiles of 2048 (4 slots) 5.50 / 5.73 /
 # 8.26, of 4096 (8 slots) 5.47 / 6.59 / 8.54, of 8192 (16 slots) 5.50 / 9.38 / 11.04; 8 warps or 2 no
 # better; the dequantising kernel 5.66 / 7.52 / 13.38; PyTorch's compiled index 4.99 / 5.63 / 8.26.
 _COPY_MAX_DIM = 4096
 _COPY_TILE = 2048
 _COPY_WARPS = 4
+
+
+def _gather_slots(n: int, tile_rows: int) -> int:
+    """Slots per program of a gather of ``n`` slots whose tile holds at most ``tile_rows`` of them."""
+    return max(1, min(_GATHER_BLOCK_N, tile_rows, prev_pow2(max(n // _GATHER_ROWS_PER_SLOT, 1))))
 
 
 def _copy_launch(kv_cache, slots, out, n) -> KernelLaunch | None:
@@ -387,7 +399,7 @@ def _copy_launch(kv_cache, slots, out, n) -> KernelLaunch | None:
     bits, abs_mask, inf_bits, nan_bits = _COPY_BITS[out.dtype]
     head = prev_pow2(dim)
     tail = next_pow2(dim - head) if dim > head else 0
-    block_n = max(1, min(_GATHER_BLOCK_N, _COPY_TILE // head))
+    block_n = _gather_slots(n, _COPY_TILE // head)
     page_size = kv_cache.shape[1]
     args = (kv_cache.view(bits), kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * page_size,
             slots, slots.stride(0), out.view(bits), out.stride(0), out.stride(1), n)
@@ -415,7 +427,7 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
         args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * kv_cache.shape[1],
                 kv_cache.shape[1], slots, slots.stride(0), out_bits, out.stride(0), out.stride(1), n)
         chunk = min(_GATHER_MAX_CHUNK, next_pow2(dim))
-        block_n = max(1, min(_GATHER_BLOCK_N, _GATHER_TILE // chunk))
+        block_n = _gather_slots(n, _GATHER_TILE // chunk)
         meta = dict(DIM=dim, CHUNK=chunk, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store, BLOCK_N=block_n)
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, block_n),), args, meta,
                                               num_warps=4, device=out.device, reinterpret=True))

@@ -377,10 +377,26 @@ def test_interpreter_non_finite(kv_format, kv_dtype):
         assert torch.equal(int_bits(got), int_bits(naive_gather(source, torch.arange(6), kv_format, dtype)))
 
 
+@pytest.fixture(params=[1024, 4], ids=["slots_per_program_1", "slots_per_program_4"])
+def gather_slots(request, monkeypatch):
+    """Slots per program of the gather kernels: one (small calls, as planned) or four (a large call's
+    plan, forced on a small one: one slot per 4 of the call)."""
+    monkeypatch.setattr(kernels, "_GATHER_ROWS_PER_SLOT", request.param)
+    kernels._PLANS.clear()
+    yield request.param
+    kernels._PLANS.clear()
+
+
+def test_gather_slots_per_program():
+    assert [kernels._gather_slots(n, 8) for n in (1, 128, 1023, 1024, 2048, 4096, 5000, 8192, 2**20)] == \
+        [1, 1, 1, 1, 2, 4, 4, 8, 8]
+    assert kernels._gather_slots(4096, 2) == 2 and kernels._gather_slots(2**30, 64) == 16
+
+
 @requires_interpreter
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["out_bf16", "out_fp16", "out_fp32"])
 @pytest.mark.parametrize("kv_format", ref.FORMATS)
-def test_interpreter_gather(kv_format, dtype):
+def test_interpreter_gather(kv_format, dtype, gather_slots):
     cache = cache_for(kv_format, "ps3-pad7", dtype=F16 if kv_format == "auto" else BF16)
     written = torch.tensor([0, 3, 4, 11, 9])
     ref.fill_cache(cache, written, make_kv(5, FMT_DIM[kv_format], F32, seed=13), kv_format)
@@ -415,10 +431,10 @@ def test_interpreter_insert_auto_dims(dim):
 
 @requires_interpreter
 @pytest.mark.parametrize("dim", [100, 1100])
-def test_interpreter_gather_auto_dims(dim):
-    """A bf16/fp16 cache of any D: a row is one tile up to 1,024 dims (D = 100: 128 with the rest
-    masked, 16 slots per program) or several (D = 1,100: a full tile, then 76 dims of a second; 4 slots
-    per program), each stored only where it lies inside D."""
+def test_interpreter_gather_auto_dims(dim, gather_slots):
+    """A bf16/fp16 cache of any D gathered to float32 (the dequantising kernel): a row is one tile up to
+    1,024 dims (D = 100: 128 with the rest masked) or several (D = 1,100: a full tile, then 76 dims of a
+    second), each stored only where it lies inside D; one or several slots per program."""
     cache = torch.randn(3, 4, dim, generator=torch.Generator().manual_seed(dim)).to(F16)
     cache[1, 2] = float("nan")  # a slot no valid index reads
     slots = torch.tensor([5, -1, 11, 0, 12, 7, 2**31 - 1, 3, 11])  # 9 slots: the last program partial
@@ -431,7 +447,7 @@ def test_interpreter_gather_auto_dims(dim):
 @requires_interpreter
 @pytest.mark.parametrize("dim", [100, 576, 1024, 4100])
 @pytest.mark.parametrize("dtype", [BF16, F16, F32], ids=["bf16", "fp16", "fp32"])
-def test_interpreter_gather_auto_copy(dtype, dim):
+def test_interpreter_gather_auto_copy(dtype, dim, gather_slots):
     """An "auto" cache gathered into its own dtype copies bits (``_kv_cache_copy_kernel``: a row in one
     tile of a power of two of dims and one of the rest; D = 4,100 is past the copy kernel's limit and
     takes the dequantising kernel): NaN patterns of every kind become the canonical NaN, infinities,

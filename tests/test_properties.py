@@ -16,13 +16,11 @@ suite stays fast and reproducible) or ``gpu`` (default with a GPU: ten times mor
 
 from __future__ import annotations
 
-import dataclasses
-import math
 import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import formats_reference as ref
@@ -39,7 +37,7 @@ from test_metadata import (
 )
 from test_sparse_gqa import _keys_read as gqa_keys_read
 from test_sparse_gqa import reference as gqa_reference
-from test_sparse_mla import FLT_MAX, assert_matches
+from test_sparse_mla import assert_matches
 from test_sparse_mla import reference as mla_reference
 from torch_sparse_mla.ops import kv_cache as kv_ops
 from torch_sparse_mla.ops import metadata as md_ops
