@@ -365,17 +365,24 @@ def _kv_cache_copy_kernel(
         in_dim = (ct < DIM)[None, :]
         b = tl.load(cache_ptr + base[:, None] + ct[None, :], mask=valid[:, None] & in_dim, other=0)
     out_rows = out_ptr + rows[:, None] * stride_out_n
-    a = tl.where((a & ABS_MASK) > INF_BITS, NAN_BITS, a).to(a.dtype)
-    tl.store(out_rows + c[None, :] * stride_out_d, a, mask=live[:, None])
+    tl.store(out_rows + c[None, :] * stride_out_d, _canonical_bits(a, ABS_MASK, INF_BITS, NAN_BITS),
+             mask=live[:, None])
     if TAIL > 0:
-        b = tl.where((b & ABS_MASK) > INF_BITS, NAN_BITS, b).to(b.dtype)
-        tl.store(out_rows + ct[None, :] * stride_out_d, b, mask=live[:, None] & in_dim)
+        tl.store(out_rows + ct[None, :] * stride_out_d, _canonical_bits(b, ABS_MASK, INF_BITS, NAN_BITS),
+                 mask=live[:, None] & in_dim)
 
 
-# The copy kernel's bits view and NaN patterns per dtype: (int dtype, magnitude mask, infinity, NaN).
-_COPY_BITS = {torch.bfloat16: (torch.int16, 0x7FFF, 0x7F80, 0x7FC0),
-              torch.float16: (torch.int16, 0x7FFF, 0x7C00, 0x7E00),
-              torch.float32: (torch.int32, 0x7FFFFFFF, 0x7F800000, 0x7FC00000)}
+@triton.jit
+def _canonical_bits(bits, ABS_MASK: tl.constexpr, INF_BITS: tl.constexpr, NAN_BITS: tl.constexpr):
+    """Float bits with every NaN pattern (magnitude above infinity's) replaced by ``NAN_BITS``."""
+    return tl.where((bits & ABS_MASK) > INF_BITS, NAN_BITS, bits).to(bits.dtype)
+
+
+def _copy_bits(dtype: torch.dtype) -> tuple[torch.dtype, int, int, int]:
+    """The copy kernel's view of ``dtype`` and its patterns: (int dtype, magnitude mask, infinity, NaN)."""
+    int_dtype = _INT_VIEW[dtype]
+    inf_bits = torch.tensor(float("inf"), dtype=dtype).view(int_dtype).item()
+    return int_dtype, (1 << (8 * dtype.itemsize - 1)) - 1, inf_bits, NAN_BITS[dtype]
 # Longest row the copy kernel takes (its first tile is the largest power of two in D); values per
 # program's first tile (the most slots a program takes, see ``_gather_slots``), warps per program. An H200,
 # D = 576 bf16, one call per CUDA graph, µs at N = 1 / 128 / 4096: tiles of 2048 (4 slots) 5.50 / 5.73 /
@@ -394,9 +401,10 @@ def _gather_slots(n: int, tile_rows: int) -> int:
 def _copy_launch(kv_cache, slots, out, n) -> KernelLaunch | None:
     """The copy kernel's launch for an "auto" cache gathered into its own dtype, or None."""
     dim = kv_cache.shape[2]
-    if out.dtype != kv_cache.dtype or out.dtype not in _COPY_BITS or dim > _COPY_MAX_DIM or kv_cache.stride(2) != 1:
+    if (out.dtype != kv_cache.dtype or out.dtype not in _STORE_CODES or dim > _COPY_MAX_DIM
+            or kv_cache.stride(2) != 1):
         return None
-    bits, abs_mask, inf_bits, nan_bits = _COPY_BITS[out.dtype]
+    bits, abs_mask, inf_bits, nan_bits = _copy_bits(out.dtype)
     head = prev_pow2(dim)
     tail = next_pow2(dim - head) if dim > head else 0
     block_n = _gather_slots(n, _COPY_TILE // head)
