@@ -122,7 +122,7 @@ def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
     from torch_sparse_mla.bench import __main__ as cli
 
     monkeypatch.setattr(common, "REFERENCE_BACKEND", "aot_eager")
-    monkeypatch.setattr(common, "graph_us", lambda fn, calls=1: (fn(), 10.0)[1])
+    monkeypatch.setattr(common, "graph_us", lambda fn, calls=1, clean_l2=False: (fn(), 8.0 if clean_l2 else 10.0)[1])
     monkeypatch.setattr(common, "eager_us", lambda fn: (fn(), 25.0)[1])
     monkeypatch.setattr(cli, "_gpu", lambda: "test device")
     for family in FAMILIES:
@@ -136,4 +136,13 @@ def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
         assert f"### {title}" in text
     assert "### Host overhead (T = 1)" in text
     assert "| config | graph µs | eager µs |" in text
+    assert "clean L2" not in text
     assert "plot" in capsys.readouterr().out
+
+    # --clean-l2: both graphs timed again after a read-only flush, in three more columns
+    assert cli.main(["metadata", "--clean-l2", "--out", str(out), "--peak-tflops", "100", "--peak-tbps", "1"]) == 0
+    text = out.read_text()
+    assert "also timed with L2 emptied by a read" in text.splitlines()[0]
+    table = text.split("### metadata operators")[1].strip().splitlines()
+    assert "| ref / ours | graph µs, clean L2 | ref graph µs, clean L2 | ref / ours, clean L2 |" in table[0]
+    assert "| 10.0 | 25.0 | 10.0 | 1.00x | 8.0 | 8.0 | 1.00x |" in table[2], table[2]

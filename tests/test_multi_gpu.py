@@ -1,8 +1,8 @@
 """Operators on any GPU of a host: the device of the inputs, whatever the current device is.
 
 Sections: mixed devices rejected by every fake, for every tensor argument (optional ones and outputs
-included), checked on fake tensors (``cuda:0`` with ``cuda:1``, CUDA with CPU: runs on any machine,
-no GPU needed); then, on a machine with two GPUs, every operator (functional and ``.out``) on
+included), checked on fake tensors (``cuda:0`` with ``cuda:1``, CUDA with CPU: no GPU needed; on a machine with
+one GPU the ``cuda:1`` cases are skipped, since a fake CUDA tensor needs its device to exist there); then, on a machine with two GPUs, every operator (functional and ``.out``) on
 ``cuda:1`` tensors while the current device is ``cuda:0`` against the same call on ``cuda:0`` (same
 kernels, same bits), a CUDA graph captured on ``cuda:1``, ``torch.compile(fullgraph=True)`` of a
 decode step on ``cuda:1``, and real mixed-device calls rejected.
@@ -29,7 +29,7 @@ I32, I64, BF16, F16, F32 = torch.int32, torch.int64, torch.bfloat16, torch.float
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 _skip_without_two_gpus = pytest.mark.skipif(
-    not TWO_GPUS, reason="needs two CUDA GPUs: runs on a two-GPU machine (the fake-tensor checks above run anywhere)")
+    not TWO_GPUS, reason="needs two CUDA GPUs: runs on a two-GPU machine (the fake-tensor checks above also run without CUDA)")
 
 
 def requires_two_gpus(test):
@@ -122,14 +122,23 @@ MIXED_CASES = [(case, name, where, device) for case, (overload, args, outputs) i
                if len(_tensor_arguments(overload, args, outputs)) > 1
                for name, where in _tensor_arguments(overload, args, outputs) for device in ("cuda:1", "cpu")]
 
+# A fake tensor on a CUDA device makes torch create a real one there first (FakeTensor's GPU context
+# initialisation), so where CUDA is present cuda:1 must exist. Without CUDA (CI) and on two GPUs these
+# fake-only checks run; on one GPU the cuda:1 cases are skipped and the CPU ones still run.
+ONE_GPU = torch.cuda.is_available() and torch.cuda.device_count() < 2
+_skip_cuda1_on_one_gpu = pytest.mark.skipif(
+    ONE_GPU, reason="a fake tensor on cuda:1 needs that device where CUDA is present (runs without CUDA or on two "
+                    "GPUs)")
+
 
 # =====================================================================================================
 # Mixed devices: every fake rejects them, naming the argument (fake tensors: no GPU needed)
 # =====================================================================================================
 
 
-@pytest.mark.parametrize("case,name,where,device", MIXED_CASES,
-                         ids=[f"{c}-{n}-{d.replace(':', '')}" for c, n, _, d in MIXED_CASES])
+@pytest.mark.parametrize("case,name,where,device", [
+    pytest.param(*c, marks=_skip_cuda1_on_one_gpu if c[3] == "cuda:1" else ()) for c in MIXED_CASES],
+    ids=[f"{c}-{n}-{d.replace(':', '')}" for c, n, _, d in MIXED_CASES])
 def test_mixed_devices_rejected(case, name, where, device):
     """One tensor argument on ``cuda:1`` (or the CPU), the others on ``cuda:0``: ``ValueError`` that
     names it (or, when it is the first tensor, which sets the device, the first argument that differs)."""
@@ -147,6 +156,7 @@ def test_mixed_devices_rejected(case, name, where, device):
             message
 
 
+@_skip_cuda1_on_one_gpu
 @pytest.mark.parametrize("case", list(operator_cases()), ids=str)
 def test_one_device_accepted(case):
     """The same calls with every tensor on ``cuda:1`` pass the fake (so each rejection above comes from

@@ -53,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--peak-tbps", type=float, help="memory ceiling in TB/s (default: measured)")
     p.add_argument("--calls-per-graph", type=int, default=1,
                    help="calls captured per CUDA graph; times are per call (default 1)")
+    p.add_argument("--clean-l2", action="store_true",
+                   help="also time both graphs with L2 emptied by a read instead of a write of zeros (columns "
+                        "'clean L2')")
     return p
 
 
@@ -70,14 +73,15 @@ def main(argv=None) -> int:
     header = (f"date {datetime.date.today().isoformat()}, GPU {gpu}, "
               f"torch {torch.__version__}, triton {triton.__version__}, commit {_commit()}; roofline ceilings "
               f"{peaks.bytes / 1e12:.2f} TB/s and {peaks.flops / 1e12:.0f} bf16 TFLOP/s ({peaks.how}); "
-              f"{args.calls_per_graph} call(s) per CUDA graph")
+              f"{args.calls_per_graph} call(s) per CUDA graph"
+              + ("; also timed with L2 emptied by a read (clean L2)" if args.clean_l2 else ""))
     print(header, flush=True)
     family_rows, all_rows, host_rows = [], [], []
     for family in FAMILIES if args.family == "all" else (args.family,):
         module = importlib.import_module(f"torch_sparse_mla.bench.{family}")
         rows = []
         for case in module.cases(quick=args.quick):
-            row = measure(case, peaks, args.calls_per_graph)
+            row = measure(case, peaks, args.calls_per_graph, args.clean_l2)
             rows.append(row)
             if case.host_overhead:  # timed eagerly again at the end (remeasure_host)
                 host_rows.append((case, row))

@@ -19,6 +19,11 @@ How a case is timed (``measure``):
   issues before each call hides up to its own duration of host time.)
 - **ref graph**: the compiled reference captured and timed like the operator. A reference that
   cannot be captured gets no time (and no ratio) and a note, never an eager time.
+- **clean L2** (``--clean-l2``): both graphs timed again, L2 emptied before each replay by *reading*
+  a 256 MB buffer instead of writing it. ``do_bench``'s flush writes zeros, which leaves L2 full of
+  modified lines: the timed call's first reads evict them, so its reads share the memory bus with up
+  to an L2 of write-backs that belong to the flush. A call inside a decode step follows kernels that
+  mostly read (weights), so its L2 holds unmodified lines; the clean columns time that state.
 - **roofline**: ``max(flops / peak_flops, bytes / peak_bandwidth) / graph time``, with the two
   ceilings given on the command line or measured at start (:func:`measure_peaks`).
 """
@@ -80,8 +85,46 @@ class CaptureError(RuntimeError):
     pass
 
 
-def graph_us(fn: Callable[[], object], calls: int = 1) -> float:
-    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls. Raises
+_FLUSH_BYTES = 256 << 20
+
+
+def _replay_ms_clean_l2(replay: Callable[[], object], warmup_ms: float = 25, rep_ms: float = 200) -> float:
+    """``do_bench``'s procedure (repetitions from a first estimate, events around each call, median)
+    with L2 emptied by a read of 256 MB before each call instead of a write."""
+    buf = torch.empty(_FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+    acc = torch.empty((), dtype=torch.int64, device="cuda")
+
+    def flush():
+        torch.sum(buf, dim=0, out=acc)
+
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    replay()
+    torch.cuda.synchronize()
+    start.record()
+    for _ in range(5):
+        flush()
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    estimate = start.elapsed_time(end) / 5  # ms per flush and call
+    for _ in range(max(1, int(warmup_ms / estimate))):
+        flush()
+        replay()
+    n = max(1, int(rep_ms / estimate))
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+    for s, e in zip(starts, ends):
+        flush()
+        s.record()
+        replay()
+        e.record()
+    torch.cuda.synchronize()
+    return float(torch.tensor([s.elapsed_time(e) for s, e in zip(starts, ends)]).median())
+
+
+def graph_us(fn: Callable[[], object], calls: int = 1, clean_l2: bool = False) -> float:
+    """Median microseconds per call of ``fn`` replayed from a CUDA graph of ``calls`` calls, L2
+    emptied before each replay by ``do_bench``'s write of zeros or (``clean_l2``) by a read. Raises
     :class:`CaptureError` when ``fn`` cannot be captured."""
     import triton.testing
 
@@ -100,7 +143,10 @@ def graph_us(fn: Callable[[], object], calls: int = 1) -> float:
     except Exception as exc:  # noqa: BLE001 - re-raised with the reason
         torch.cuda.synchronize()
         raise CaptureError(f"{type(exc).__name__}: {exc}") from exc
-    ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
+    if clean_l2:
+        ms = _replay_ms_clean_l2(graph.replay)
+    else:
+        ms = triton.testing.do_bench(graph.replay, warmup=25, rep=200, return_mode="median")
     return ms * 1e3 / calls
 
 
@@ -178,7 +224,7 @@ def measure_peaks(peak_tflops: float | None, peak_tbps: float | None) -> Peaks:
     return Peaks(peak_tflops * 1e12, peak_tbps * 1e12, ("measured: " + ", ".join(how)) if how else "given")
 
 
-def measure(case: Case, peaks: Peaks, calls_per_graph: int = 1) -> dict:
+def measure(case: Case, peaks: Peaks, calls_per_graph: int = 1, clean_l2: bool = False) -> dict:
     try:
         us = graph_us(case.run, calls_per_graph)
     except CaptureError as exc:
@@ -195,6 +241,11 @@ def measure(case: Case, peaks: Peaks, calls_per_graph: int = 1) -> dict:
             ref_us = graph_us(case.reference, calls_per_graph)
         except CaptureError as exc:
             note = f"reference not captured ({str(exc).split(':')[0]})"
+    if clean_l2:  # both graphs again after a read-only flush (module docstring)
+        row["us_clean"] = graph_us(case.run, calls_per_graph, clean_l2=True)
+        row["ref_us_clean"] = graph_us(case.reference, calls_per_graph, clean_l2=True) if ref_us == ref_us \
+            else float("nan")
+        row["ratio_clean"] = row["ref_us_clean"] / row["us_clean"]
     compute_s, memory_s = case.flops / peaks.flops, case.bytes / peaks.bytes
     row.update({
         "TFLOP/s": case.flops / (us * 1e-6) / 1e12,
@@ -217,6 +268,9 @@ COLUMNS = [  # (key, header, format)
     ("eager_us", "eager µs", "{:.1f}"),
     ("ref_us", "ref graph µs", "{:.1f}"),
     ("ratio", "ref / ours", "{:.2f}x"),
+    ("us_clean", "graph µs, clean L2", "{:.1f}"),
+    ("ref_us_clean", "ref graph µs, clean L2", "{:.1f}"),
+    ("ratio_clean", "ref / ours, clean L2", "{:.2f}x"),
     ("TFLOP/s", "TFLOP/s", "{:.1f}"),
     ("GB/s", "GB/s", "{:.0f}"),
     ("roofline", "roofline", "{:.0%}"),
@@ -234,7 +288,8 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    cols = [c for c in COLUMNS if c[0] != "note" or any(r.get("note") for r in rows)]
+    optional = ("note", "us_clean", "ref_us_clean", "ratio_clean")  # shown where some row has them
+    cols = [c for c in COLUMNS if c[0] not in optional or any(r.get(c[0]) for r in rows)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:
         lines.append("| " + " | ".join(_cell(r, k, f) for k, _, f in cols) + " |")
