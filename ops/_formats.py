@@ -36,7 +36,7 @@ import os
 
 import torch
 
-from ..meta_kernels._formats import FORMAT_IDS, cache_dim
+from ..meta_kernels._formats import cache_dim
 from ._triton import tl, triton
 
 # =====================================================================================================

@@ -56,7 +56,6 @@ def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Ite
     for t in SMOKE_TOKENS if smoke else QUICK_TOKENS if quick else TOKENS:
         b = _batch(t, max_len, topk, device)
         per_token = 8 + 4 + 8  # positions, token_to_req, slot_mapping
-        ttr, pos, sm = b["token_to_req"], b["positions"], b["slot_mapping"]
 
         # -- swa_indices
         idx, lens = (torch.empty(t, WINDOW, dtype=I32, device=device), torch.empty(t, dtype=I32, device=device))

@@ -46,7 +46,7 @@ def _fp8_make(pages, hkv, page_size, dh, device):
 
 
 def _fp8_write(k, v, slots, cache, k_scale, v_scale):
-    page_size, dh = cache.shape[2], cache.shape[3] // 2
+    page_size = cache.shape[2]
     page, row = torch.div(slots, page_size, rounding_mode="floor"), slots % page_size
     heads = torch.arange(cache.shape[1], device=k.device)
     kv = torch.cat([(k.float() / k_scale), (v.float() / v_scale)], dim=-1).clamp(-448, 448).to(cache.dtype)
