@@ -1,8 +1,9 @@
 """Operators on any GPU of a host: the device of the inputs, whatever the current device is.
 
 Sections: mixed devices rejected by every fake, for every tensor argument (optional ones and outputs
-included), checked on fake tensors (``cuda:0`` with ``cuda:1``, CUDA with CPU: no GPU needed; on a machine with
-one GPU the ``cuda:1`` cases are skipped, since a fake CUDA tensor needs its device to exist there); then, on a machine with two GPUs, every operator (functional and ``.out``) on
+included), checked on fake tensors (``cuda:0`` with ``cuda:1``, CUDA with CPU: no GPU needed; on a
+machine with one GPU the ``cuda:1`` cases are skipped, since a fake CUDA tensor needs its device to
+exist there); then, on a machine with two GPUs, every operator (functional and ``.out``) on
 ``cuda:1`` tensors while the current device is ``cuda:0`` against the same call on ``cuda:0`` (same
 kernels, same bits), a CUDA graph captured on ``cuda:1``, ``torch.compile(fullgraph=True)`` of a
 decode step on ``cuda:1``, and real mixed-device calls rejected.
@@ -29,7 +30,8 @@ I32, I64, BF16, F16, F32 = torch.int32, torch.int64, torch.bfloat16, torch.float
 
 TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 _skip_without_two_gpus = pytest.mark.skipif(
-    not TWO_GPUS, reason="needs two CUDA GPUs: runs on a two-GPU machine (the fake-tensor checks above also run without CUDA)")
+    not TWO_GPUS,
+    reason="needs two CUDA GPUs: runs on a two-GPU machine (the fake-tensor checks above also run without CUDA)")
 
 
 def requires_two_gpus(test):
