@@ -17,8 +17,9 @@ import torch
 from expecttest import assert_expected_inline
 
 import torch_sparse_mla
+from torch_sparse_mla.meta_kernels._formats import FORMAT_IDS
 from torch_sparse_mla.ops import sparse_mla as mla_ops
-from torch_sparse_mla.ops._formats import FORMAT_IDS, dequantize_torch, load_kv_tile
+from torch_sparse_mla.ops._formats import dequantize_torch, load_kv_tile
 
 from common import (assert_no_recompiles, poison, records_split_launches, requires_cuda, requires_hopper,
                     requires_interpreter, run_offline_compile)
