@@ -4,6 +4,9 @@
 # Logs, the benchmark tables and the roofline plot go to $OUT (default ./gpu_out).
 #   bash scripts/gpu_suite.sh [tests|demo|bench|all] [test files, relative to the repo (default: tests/)]
 # Extra arguments for the benchmark: BENCH_ARGS (e.g. BENCH_ARGS="--quick --peak-tbps 4.3").
+# JOBS=N (default 1) deals the collected tests round-robin to N pytest processes sharing the GPU (logs
+# $OUT/pytest.<i>.log, all of them in $OUT/pytest.log); the whole suite takes well over ten minutes in
+# one process on an H200. Each process holds its own CUDA context and test tensors: size N to the GPU.
 set -uo pipefail
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 WHAT=${1:-all}; shift || true
@@ -18,8 +21,29 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 rc=0
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   targets=("$REPO/tests"); [ $# -gt 0 ] && targets=("${@/#/$REPO/}")
-  python3 -m pytest -q -rs -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest.log"
-  rc=${PIPESTATUS[0]}
+  if [ "${JOBS:-1}" -gt 1 ]; then
+    # test ids are relative to the repository (pytest's rootdir); this shell runs inside the copy
+    if ! python3 -m pytest -q --collect-only -p no:cacheprovider "${targets[@]}" > "$OUT/pytest.log" 2>&1; then
+      tail -n 30 "$OUT/pytest.log"; echo "collecting the tests failed (above)"; exit 1
+    fi
+    grep '::' "$OUT/pytest.log" | sed "s|^|$REPO/|" > "$OUT/pytest.items"
+    echo "$(wc -l < "$OUT/pytest.items") tests over $JOBS processes"
+    pids=()
+    for ((j = 0; j < JOBS; j++)); do
+      awk -v n="$JOBS" -v j="$j" '(NR - 1) % n == j' "$OUT/pytest.items" \
+        | xargs -r python3 -m pytest -q -rfEs -p no:cacheprovider > "$OUT/pytest.$j.log" 2>&1 &
+      pids+=($!)
+    done
+    for ((j = 0; j < JOBS; j++)); do
+      wait "${pids[j]}" || rc=1
+      echo "process $j: $(grep -E '(passed|failed|error)' "$OUT/pytest.$j.log" | tail -n 1)"
+      grep -E '^(FAILED|ERROR) ' "$OUT/pytest.$j.log"
+    done
+    cat "$OUT"/pytest.[0-9]*.log > "$OUT/pytest.log"
+  else
+    python3 -m pytest -q -rfEs -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest.log"
+    rc=${PIPESTATUS[0]}
+  fi
 fi
 if [ "$WHAT" = demo ] || [ "$WHAT" = all ]; then
   python3 -m torch_sparse_mla.demo 2>&1 | tee "$OUT/demo.log"
