@@ -34,12 +34,13 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
         | xargs -r python3 -m pytest -q -rfEs -p no:cacheprovider > "$OUT/pytest.$j.log" 2>&1 &
       pids+=($!)
     done
+    : > "$OUT/pytest.log"
     for ((j = 0; j < JOBS; j++)); do
       wait "${pids[j]}" || rc=1
       echo "process $j: $(grep -E '(passed|failed|error)' "$OUT/pytest.$j.log" | tail -n 1)"
       grep -E '^(FAILED|ERROR) ' "$OUT/pytest.$j.log"
+      cat "$OUT/pytest.$j.log" >> "$OUT/pytest.log"  # this run's logs only, not older ones in $OUT
     done
-    cat "$OUT"/pytest.[0-9]*.log > "$OUT/pytest.log"
   else
     python3 -m pytest -q -rfEs -p no:cacheprovider "${targets[@]}" 2>&1 | tee "$OUT/pytest.log"
     rc=${PIPESTATUS[0]}

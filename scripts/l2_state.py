@@ -5,8 +5,9 @@
 The benchmark (``bench/common.py``, ``triton.testing.do_bench``) empties L2 before each replay by
 writing zeros over a 256 MB buffer, which leaves L2 full of modified lines: the timed call's first
 reads evict them, so its reads share the memory bus with write-backs that belong to the flush. Here
-the same captured graphs are timed after that flush (``dirty``) and after a read of the same 256 MB
-(``clean``, the benchmark's ``--clean-l2``), in alternating rounds, best of the rounds.
+each call is captured in a CUDA graph and timed after that flush (``dirty``) and after a read of the
+same 256 MB (``clean``, the benchmark's ``--clean-l2``), both through ``bench.common.graph_us``, in
+alternating rounds, best of the rounds.
 
 Cases: a graph of one trivial kernel (the replay floor), a 64 MB device copy (128 MB moved, about
 the bytes of a float8 decode at T = 64), the sparse GQA decode of the benchmark (``bench/gqa.py``) at
