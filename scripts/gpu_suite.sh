@@ -31,7 +31,7 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
     pids=()
     for ((j = 0; j < JOBS; j++)); do
       awk -v n="$JOBS" -v j="$j" '(NR - 1) % n == j' "$OUT/pytest.items" \
-        | xargs -r python3 -m pytest -q -rfEs -p no:cacheprovider > "$OUT/pytest.$j.log" 2>&1 &
+        | xargs -r -d '\n' python3 -m pytest -q -rfEs -p no:cacheprovider > "$OUT/pytest.$j.log" 2>&1 &
       pids+=($!)
     done
     : > "$OUT/pytest.log"

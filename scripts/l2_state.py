@@ -11,8 +11,16 @@ alternating rounds, best of the rounds.
 
 Cases: a graph of one trivial kernel (the replay floor), a 64 MB device copy (128 MB moved, about
 the bytes of a float8 decode at T = 64), the sparse GQA decode of the benchmark (``bench/gqa.py``) at
-T = 64 and 256 for both cache formats, with the compiled baseline at T = 64, and the two cache
-writers. Prints microseconds per replay (median) under each flush and their difference.
+T = 1, 16, 64 and 256 for the float8 cache and 64 and 256 for NVFP4, with the compiled baseline at
+T = 64, and the two cache writers. Prints microseconds per replay (median) under each flush and their
+difference.
+
+Each decode and writer case also has its *floor*: a streaming kernel that reads (and, for a writer,
+writes) the case's byte count (``Case.bytes``, the benchmark's count) from contiguous memory and does
+nothing else, captured and timed the same way. No kernel that moves those bytes replays faster under
+the same timer. The read floors are timed twice: with plain loads, and with loads that mark their
+lines first to evict from L2 (``eviction_policy="evict_first"``), so that they evict each other rather
+than the flush's modified lines.
 """
 
 from __future__ import annotations
@@ -20,9 +28,44 @@ from __future__ import annotations
 import argparse
 
 import torch
+import triton
+import triton.language as tl
 
 from torch_sparse_mla.bench.common import graph_us
-from torch_sparse_mla.bench.gqa import _decode_cases, _insert_case
+from torch_sparse_mla.bench.gqa import HEAD_DIM, HKV, INSERT_TOKENS, KEY_BYTES, _decode_cases, _insert_case
+
+_READ = 4096  # int32 read by one program of the streaming kernel (16 KB)
+
+
+@triton.jit
+def _stream_kernel(src, dst, WRITE: tl.constexpr, WRITE_P2: tl.constexpr, EVICT: tl.constexpr,
+                   READ: tl.constexpr):
+    """Program ``p`` reads ``READ`` int32 at ``src + p * READ`` and writes ``WRITE`` int32 (sums of its
+    values) at ``dst + p * WRITE``, or one int32 at ``dst + p`` when ``WRITE`` is 0."""
+    pid = tl.program_id(0).to(tl.int64)
+    v = tl.load(src + pid * READ + tl.arange(0, READ), eviction_policy=EVICT)
+    if WRITE == 0:
+        tl.store(dst + pid, tl.sum(v, axis=0))
+    else:
+        w = tl.arange(0, WRITE_P2)
+        tl.store(dst + pid * WRITE + w, tl.sum(tl.reshape(v, [WRITE_P2, READ // WRITE_P2]), axis=1), mask=w < WRITE)
+
+
+def stream_floor(read_bytes: float, write_bytes: float = 0.0, evict_first: bool = False):
+    """A call of the streaming kernel that reads at least ``read_bytes`` (whole 16 KB programs) and writes
+    about ``write_bytes`` (at most as many as it reads), on buffers of its own."""
+    programs = max(1, -(-int(read_bytes) // (4 * _READ)))
+    write = 0 if write_bytes <= 0 else max(1, round(write_bytes / programs / 4))
+    assert write <= _READ, "writes at most what it reads"
+    src = torch.randint(0, 1 << 20, (programs * _READ,), device="cuda", dtype=torch.int32)
+    dst = torch.empty(programs * max(write, 1), device="cuda", dtype=torch.int32)
+    p2 = triton.next_power_of_2(max(write, 1))
+    policy = "evict_first" if evict_first else ""
+
+    def run():
+        _stream_kernel[(programs,)](src, dst, WRITE=write, WRITE_P2=p2, EVICT=policy, READ=_READ, num_warps=8)
+
+    return run
 
 
 def main() -> None:
@@ -35,26 +78,33 @@ def main() -> None:
     src = torch.randn(16 << 20, device="cuda")
     dst = torch.empty_like(src)
     cases.append(("copy 64 MB -> 64 MB", lambda: dst.copy_(src)))
-    for case in _decode_cases("fp8", quick=False, device="cuda", smoke=False):
-        if case.name.endswith(("T=64 q_len=1", "T=256 q_len=1")):
-            cases.append((f"decode {case.name.split()[0]} {case.name.split()[-2]}", case.run))
-            if "T=64 " in case.name:
-                cases.append((f"baseline {case.name.split()[0]} {case.name.split()[-2]}", case.reference))
-    for case in _decode_cases("nvfp4", quick=False, device="cuda", smoke=False):
-        if case.name.endswith(("T=64 q_len=1", "T=256 q_len=1")):
-            cases.append((f"decode {case.name.split()[0]} {case.name.split()[-2]}", case.run))
+    for kv_format, rows in (("fp8", ("T=1", "T=16", "T=64", "T=256")), ("nvfp4", ("T=64", "T=256"))):
+        for case in _decode_cases(kv_format, quick=False, device="cuda", smoke=False):
+            if not case.name.endswith(tuple(f"{r} q_len=1" for r in rows)):
+                continue
+            name = f"decode {kv_format} {case.name.split()[-2]}"
+            cases.append((name, case.run))
+            if kv_format == "fp8" and "T=64 " in case.name:
+                cases.append((f"baseline {kv_format} {case.name.split()[-2]}", case.reference))
+            mb = case.bytes / 1e6
+            cases.append((f"  floor: read {mb:.1f} MB", stream_floor(case.bytes)))
+            cases.append((f"  floor: read {mb:.1f} MB, evict_first", stream_floor(case.bytes, evict_first=True)))
     for kv_format in ("fp8", "nvfp4"):
         cases.append((f"gqa_kv_cache_insert {kv_format}", _insert_case(kv_format, "cuda").run))
+        read = 2 * INSERT_TOKENS * HKV * HEAD_DIM * 2 + INSERT_TOKENS * 8  # as bench.gqa.insert_bytes
+        written = KEY_BYTES[kv_format] * INSERT_TOKENS * HKV
+        cases.append((f"  floor: read {read / 1e6:.1f} MB, write {written / 1e6:.1f} MB",
+                      stream_floor(read, written)))
 
     best = {(name, clean): float("inf") for name, _ in cases for clean in (False, True)}
     for _ in range(args.rounds):
         for name, fn in cases:
             for clean in (False, True):
                 best[name, clean] = min(best[name, clean], graph_us(fn, clean_l2=clean))
-    print(f"{'call':<34} {'dirty µs':>9} {'clean µs':>9} {'dirty - clean':>14}")
+    print(f"{'call':<44} {'dirty µs':>9} {'clean µs':>9} {'dirty - clean':>14}")
     for name, _ in cases:
         d, c = best[name, False], best[name, True]
-        print(f"{name:<34} {d:9.1f} {c:9.1f} {d - c:14.1f}")
+        print(f"{name:<44} {d:9.1f} {c:9.1f} {d - c:14.1f}")
 
 
 if __name__ == "__main__":
