@@ -244,7 +244,6 @@ if HAS_GLUON:
         keys copy nothing and read as zeros. Also writes the keys' validity (and the fp8_584 scales)."""
         G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
-        ROWS8: gl.constexpr = gl.SliceLayout(1, G8)
         ROWS16: gl.constexpr = gl.SliceLayout(1, G16)
         RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
         c_ptr, c_sp, c_sr, c_ps, c_ns, i_ptr, i_st, n_used, first = _block_list(
@@ -434,7 +433,6 @@ if HAS_GLUON:
                                                       instr_shape=[16, 128, 16])
         P_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=O_L, k_width=2)
         COLS: gl.constexpr = gl.SliceLayout(0, S_L)
-        ROWS: gl.constexpr = gl.SliceLayout(1, S_L)
         keys = kn.slice(K0, NK, dim=0)  # [NK keys, 512]
         zero_s = gl.zeros([_BH, NK], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
         if FOLD:
