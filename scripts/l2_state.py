@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from torch_sparse_mla.bench.common import graph_us
-from torch_sparse_mla.bench.gqa import HEAD_DIM, HKV, INSERT_TOKENS, KEY_BYTES, _decode_cases, _insert_case
+from torch_sparse_mla.bench.gqa import HKV, INSERT_TOKENS, KEY_BYTES, _decode_cases, _insert_case, insert_bytes
 
 _READ = 4096  # int32 read by one program of the streaming kernel (16 KB)
 
@@ -91,8 +91,8 @@ def main() -> None:
             cases.append((f"  floor: read {mb:.1f} MB, evict_first", stream_floor(case.bytes, evict_first=True)))
     for kv_format in ("fp8", "nvfp4"):
         cases.append((f"gqa_kv_cache_insert {kv_format}", _insert_case(kv_format, "cuda").run))
-        read = 2 * INSERT_TOKENS * HKV * HEAD_DIM * 2 + INSERT_TOKENS * 8  # as bench.gqa.insert_bytes
         written = KEY_BYTES[kv_format] * INSERT_TOKENS * HKV
+        read = insert_bytes(kv_format) - written  # bf16 K and V, the slots
         cases.append((f"  floor: read {read / 1e6:.1f} MB, write {written / 1e6:.1f} MB",
                       stream_floor(read, written)))
 
