@@ -278,11 +278,14 @@ def e2m1_reencode_ptx(src: str, lo: tuple[str, str], hi: tuple[str, str]) -> str
     ``2**-6``, exactly: the low nibbles' values into registers ``lo`` (bytes 0, 1 and bytes 2, 3, two
     float16 each) and the high nibbles' into ``hi``. Each nibble is re-encoded as an e4m3 byte (sign to
     bit 7, the three exponent and mantissa bits to bits 2-4: the e4m3 value is the E2M1 value times
-    ``2**-6``, subnormals included) and ``cvt.rn.f16x2.e4m3x2`` converts two at a time. The caller
-    declares ``.reg .b32 t, u, e`` and ``.reg .b16 e0, e1``."""
-    def tail(out: tuple[str, str]) -> list[str]:
-        return ["and.b32 u, u, 0x1C1C1C1C;", "or.b32 e, t, u;", "mov.b32 {e0, e1}, e;",
-                f"cvt.rn.f16x2.e4m3x2 {out[0]}, e0;", f"cvt.rn.f16x2.e4m3x2 {out[1]}, e1;"]
-    lines = ([f"shl.b32 t, {src}, 4;", f"shl.b32 u, {src}, 2;", "and.b32 t, t, 0x80808080;"] + tail(lo)
-             + [f"shr.b32 u, {src}, 2;", f"and.b32 t, {src}, 0x80808080;"] + tail(hi))
+    ``2**-6``, subnormals included) and ``cvt.rn.f16x2.e4m3x2`` converts two at a time. Six integer
+    operations per four bytes: with ``z`` the sign bits of all eight nibbles, one ``lop3`` per half takes
+    bits 2-4 of each byte from the shifted magnitudes and the rest (bit 7 the sign, else 0) from ``z``,
+    shifted for the low nibbles. The caller declares ``.reg .b32 t, u, e, z`` and ``.reg .b16 e0, e1``."""
+    def convert(out: tuple[str, str]) -> list[str]:
+        return ["mov.b32 {e0, e1}, e;", f"cvt.rn.f16x2.e4m3x2 {out[0]}, e0;", f"cvt.rn.f16x2.e4m3x2 {out[1]}, e1;"]
+    # lop3 0xE4: c ? a : b, with c = 0x1C1C1C1C (bits 2-4 of each byte)
+    lines = ([f"and.b32 z, {src}, 0x88888888;", f"shl.b32 t, {src}, 2;", "shl.b32 u, z, 4;",
+              "lop3.b32 e, t, u, 0x1C1C1C1C, 0xE4;"] + convert(lo)
+             + [f"shr.b32 t, {src}, 2;", "lop3.b32 e, t, z, 0x1C1C1C1C, 0xE4;"] + convert(hi))
     return "".join(line + "\n" for line in lines)

@@ -299,7 +299,7 @@ def _pow2_row_scale(rmax):
 # The PTX of ``_e2m1_x64_asm`` (one instance: four bytes in $4; low nibbles out in $0, $1 and high
 # nibbles in $2, $3, two float16 per register, byte k -> element k). tests/test_sparse_gqa.py runs it
 # through a small PTX model for every byte value.
-E2M1_X64_PTX = tl.constexpr("{\n.reg .b32 t, u, e;\n.reg .b16 e0, e1;\n"
+E2M1_X64_PTX = tl.constexpr("{\n.reg .b32 t, u, e, z;\n.reg .b16 e0, e1;\n"
                             + e2m1_reencode_ptx("$4", ("$0", "$1"), ("$2", "$3")) + "}\n")
 
 

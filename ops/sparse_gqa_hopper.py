@@ -373,53 +373,95 @@ if HAS_GLUON:
                 ptrs = (out_ptr + t * stride_ot + h[None, :] * stride_oh + dims[:, None] * stride_od)
                 gl.store(ptrs, (o * factor[None, :]).to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
 
+    # How far (in binades of the weights, base-2 logits) a score may exceed its head's running maximum
+    # before the maximum is recomputed: the weights stay below 2**_TAU, which float16 holds.
+    _TAU = gl.constexpr(8.0)
+
     @gluon.jit
-    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red, HB: gl.constexpr, ROWS4: gl.constexpr,
+    def _warp_any(x):
+        """Per thread of a tensor holding one element per thread: 1 if the element is nonzero in any
+        lane of the thread's warp, else 0 (``vote.sync.any``)."""
+        return gl.inline_asm_elementwise(
+            "{\n.reg .pred p, q;\nsetp.ne.s32 p, $1, 0;\nvote.sync.any.pred q, p, -1;\nselp.s32 $0, 1, 0, q;\n}\n",
+            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+
+    @gluon.jit
+    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red, flags, fb, first, HB: gl.constexpr, ROWS4: gl.constexpr,
                     V_REGS: gl.constexpr):
         """One block's online-softmax step of a consumer, both kernels: the block's scores ``acc``
         (``S^T``, ``[64 keys, HB heads]``) times the per-head factor ``qk`` are base-2 logits (saturated,
         keys not ``valid`` at ``-inf``); returns ``(O^T, m, l_rows)`` after ``O^T += V^T P^T`` with the
         block's ``V`` tile ``v_tile`` (with ``V_REGS``: ``V^T`` itself, the register operand) and ``P^T``
         staged in ``pt`` (``l_rows`` shaped as ``ROWS4`` says).
-        The block's maximum over its keys takes one partition barrier: each warp reduces its 16 keys in
-        registers and shuffles, writes its 16 partial maxima to ``red`` ([4 warps, HB]), and after the
-        barrier every thread reads the four partials of its heads (the barrier before the ``P V`` MMA
-        keeps the next block's writes after these reads)."""
+
+        ``m`` is a reference maximum per head, not always the running maximum: the weights are taken
+        against it (``exp2(u - m)``) as long as no score of the block exceeds it by more than ``_TAU``
+        (weights below ``2**_TAU``, exact to float16's relative precision as weights below 1 are), so
+        most blocks need neither the block's maximum across the four warps (a partition barrier and
+        shuffles) nor a rescale of ``O^T`` and the row sums. Each thread tests its own scores, each warp
+        votes, the warps' votes go through ``flags`` (``[4, 8, 4]`` int32, one word per thread; callers
+        alternate two such buffers between consecutive blocks) and are read back after the barrier that
+        publishes ``P^T``, and only when a vote was cast (a consumer's first block with a visible key,
+        and blocks whose scores grew past the margin) the block takes the exact maximum (``red``,
+        ``[4 warps, HB]``), rescales and stores ``P^T`` again. The result is the same softmax; only the
+        float16 rounding of the weights, taken against a different power-of-two-free reference, differs."""
         O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
         u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
         u = gl.where(valid[:, None], u, float("-inf"))
-        # [4 partials, HB heads], every partial of a head in the thread that holds the head's scores
-        PARTS: gl.constexpr = gl.DistributedLinearLayout(
-            reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
-            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, HB])
-        red.store(gl.max(gl.reshape(u, [4, 16, HB]), axis=1))
-        _cta_barrier()
-        m_blk = gl.convert_layout(gl.max(red.load(PARTS), axis=0), m_i.type.layout)
-        m_new = gl.maximum(m_i, m_blk)
-        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
-        alpha = gl.exp2(m_i - m_safe)
-        p = gl.exp2(u - m_safe[None, :])
+        m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)  # no key yet: keep every weight at 0
+        p = gl.exp2(u - m_ref[None, :])
+        exact = first  # a consumer's first block has no reference yet: straight to its maximum
+        if not first:
+            # [4 warps, 2, 8 lane rows, 2, 4 lane columns, 2]: the thread's own scores lie along axes 1, 3, 5
+            over = gl.where(u > (m_i + _TAU)[None, :], 1, 0)
+            over = gl.max(gl.max(gl.max(gl.reshape(over, [4, 2, 8, 2, 4, 2]), axis=5), axis=3), axis=1)
+            flags.index(fb).store(gl.permute(gl.reshape(_warp_any(over), [4, 32]), (1, 0)))  # [lane, warp]
+            pt.store(p.to(gl.float16))
+            fence_async_shared()
+            _cta_barrier()  # every warp's part of P^T (and of a V tile) and its vote are stored
+            # lane 0's word of each warp, in every thread
+            VOTES: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[1], [2]], lane_bases=[[0]] * 5, warp_bases=[[0]] * 2, block_bases=[], shape=[4])
+            rows = flags._reinterpret(gl.int32, [4 * 32, 4], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[0]))
+            exact = gl.max(rows.index(32 * fb).load(VOTES), axis=0) != 0
+        if exact:
+            # [4 partials, HB heads], every partial of a head in the thread that holds the head's scores
+            PARTS: gl.constexpr = gl.DistributedLinearLayout(
+                reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+                warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, HB])
+            red.store(gl.max(gl.reshape(u, [4, 16, HB]), axis=1))
+            _cta_barrier()
+            m_blk = gl.convert_layout(gl.max(red.load(PARTS), axis=0), m_i.type.layout)
+            m_new = gl.maximum(m_i, m_blk)
+            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = gl.exp2(m_i - m_safe)
+            p = gl.exp2(u - m_safe[None, :])
+            if ROWS4:
+                L3: gl.constexpr = l_rows.type.layout
+                l_rows = l_rows * gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+            else:
+                l_rows = l_rows * alpha[None, :]
+            o = o * gl.convert_layout(alpha, HEADS_O)[None, :]
+            m_i = m_new
+            pt.store(p.to(gl.float16))  # no MMA has read the first P^T yet
+            fence_async_shared()
+            _cta_barrier()
         # the row sums stay per thread (summed over the keys once, after the loop): no cross-warp
         # reduction per block; with ROWS4 a thread adds its two key rows of each head as they come
         # ([4, 8, HB]: 4 registers, not 8; the NVFP4 consumer, which spills less so), else [64, HB]
         if ROWS4:
-            L3: gl.constexpr = l_rows.type.layout
-            a3 = gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, L3)))
-            l_rows = l_rows * a3[None, None, :] + gl.sum(gl.reshape(p, [4, 2, 8, HB]), axis=1)
+            l_rows = l_rows + gl.sum(gl.reshape(p, [4, 2, 8, HB]), axis=1)
         else:
-            l_rows = l_rows * alpha[None, :] + p
-        pt.store(p.to(gl.float16))
-        fence_async_shared()
-        _cta_barrier()  # every warp's part of P^T (and of a V tile) is stored before any warp's MMA reads them
-        a = gl.convert_layout(alpha, HEADS_O)[None, :]
+            l_rows = l_rows + p
         if V_REGS:
-            o = warpgroup_mma(v_tile, pt, o * a, is_async=True)
+            o = warpgroup_mma(v_tile, pt, o, is_async=True)
             o, v_tile = warpgroup_mma_wait(0, deps=(o, v_tile))
         else:
-            o = warpgroup_mma(v_tile.permute((1, 0)), pt, o * a, is_async=True)
+            o = warpgroup_mma(v_tile.permute((1, 0)), pt, o, is_async=True)
             o = warpgroup_mma_wait(0, deps=(o,))
-        return o, m_new, l_rows
+        return o, m_i, l_rows
 
     @gluon.jit
     def _consumer_start(down, qk_scale, k_scale_ptr, q_ready, pages_ready, HEADS: gl.constexpr, CID: gl.constexpr,
@@ -445,7 +487,7 @@ if HAS_GLUON:
                   ws_ptr, ws_rows,
                   num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                   qk_scale, v_scale,
-                  qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready, ready, kfree, q_ready,
+                  qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready, ready, kfree, q_ready,
                   merge_ready,
                   CID: gl.constexpr,
                   CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
@@ -499,7 +541,7 @@ if HAS_GLUON:
             _free_stage(kfree.index(s))
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_regs, pt, red_smem.index(CID), HB,
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_regs, pt, red_smem.index(CID), flag_smem, 2 * CID + (i // 2) % 2, i < 2, HB,
                                          False, True)
 
         # Consumer 1's O^T goes to the K stage of its last block (block 1's, which no block uses, when it
@@ -524,7 +566,7 @@ if HAS_GLUON:
     # values (bytes 0..7), then the 8 high-nibble values; callers keep that order (the dims permuted,
     # see ``_nv_dim``). The re-encoding (``e2m1_reencode_ptx``) is the portable kernel's.
     _FP4X16_TO_F16 = gl.constexpr(
-        "{\n.reg .b32 t, u, e, sc, c;\n.reg .b16 e0, e1, s01, s23;\n"
+        "{\n.reg .b32 t, u, e, z, sc, c;\n.reg .b16 e0, e1, s01, s23;\n"
         "prmt.b32 sc, $10, 0, 0x0000;\nmov.b32 {s01, s23}, sc;\ncvt.rn.f16x2.e4m3x2 c, s01;\n"
         + e2m1_reencode_ptx("$8", ("$0", "$1"), ("$4", "$5")) + e2m1_reencode_ptx("$9", ("$2", "$3"), ("$6", "$7"))
         + "".join(f"mul.rn.f16x2 ${i}, ${i}, c;\n" for i in range(8)) + "}\n")
@@ -655,7 +697,7 @@ if HAS_GLUON:
                      ws_ptr, ws_rows,
                      num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                      qk_scale, v_scale,
-                     qs, kdat, vdat, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready, ready, kfree,
+                     qs, kdat, vdat, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready, ready, kfree,
                      q_ready, merge_ready,
                      CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr,
                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
@@ -696,7 +738,7 @@ if HAS_GLUON:
             acc = warpgroup_mma(k_regs, qs.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             acc, k_regs = warpgroup_mma_wait(0, deps=(acc, k_regs))
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), HB,
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), flag_smem, 2 * CID + (i // 2) % 2, i < 2, HB,
                                          True, False)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
@@ -711,7 +753,7 @@ if HAS_GLUON:
     def _any_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                       out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                       num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                      qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
+                      qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
                       pages_ready, ready, kfree, q_ready, merge_ready,
                       CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
                       HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
@@ -721,14 +763,14 @@ if HAS_GLUON:
             _nv_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                         qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
+                         qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
                          pages_ready, ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, HAS_K_SCALE,
                          HAS_V_SCALE, SPLIT)
         else:
             _consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                       out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                       num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                      qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, page_keys, pages_ready,
+                      qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready,
                       ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)
 
     # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
@@ -781,6 +823,8 @@ if HAS_GLUON:
         ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)  # consumer 1's (m, l)
         red_smem = gl.allocate_shared_memory(gl.float32, [2, 4, HB], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[1, 0]))  # each consumer's per-warp block maxima
+        flag_smem = gl.allocate_shared_memory(gl.int32, [4, 32, 4], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0]))  # each consumer's votes, two blocks' worth
         ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -797,13 +841,13 @@ if HAS_GLUON:
             [(_any_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
+                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
                               pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE,
                               HAS_V_SCALE, SPLIT)),
              (_any_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, page_keys,
+                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
                               pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE,
                               HAS_V_SCALE, SPLIT)),
              (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,

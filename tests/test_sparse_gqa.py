@@ -912,6 +912,9 @@ def _run_ptx(asm: str, word: int, inputs: dict | None = None, n_out: int = 4) ->
             regs[dst] = a[0] & a[1]
         elif op == "or.b32":
             regs[dst] = a[0] | a[1]
+        elif op == "lop3.b32":  # bit i of the table is the result for (a, b, c) bits (i >> 2, i >> 1 & 1, i & 1)
+            regs[dst] = sum(((a[3] >> (4 * ((a[0] >> k) & 1) + 2 * ((a[1] >> k) & 1) + ((a[2] >> k) & 1))) & 1) << k
+                            for k in range(32))
         elif op == "prmt.b32":  # default mode: each result byte picks a byte of {a, b} (bit 3: its sign)
             pool = a[0] | (a[1] << 32)
             out = 0
@@ -1509,9 +1512,9 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS|PREEXIT)=(\d+)", row)}
         assert re.search(r"maxnreg=\['80'\]", row), row
         assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
-        # the NVFP4 kernel expands K and V in its consumers: 40-48 bytes of spill stores with triton 3.6, 24-36
-        # with 3.7.1; float8 0 with a bfloat16 query, 12-24 with float16
-        assert spill_stores <= (96 if nvfp4 else 48), row
+        # spill stores: 40-124 bytes with triton 3.6 and 3.7.1 (docs/sparse_gqa.md), nearly all of them outside
+        # the per-block loops (checked below)
+        assert spill_stores <= 128, row
         # float8: float8 Q K^T and float16 P V; NVFP4: float16 for both
         assert counts["HGMMA"] > 0 and (counts["QGMMA"] == 0 if nvfp4 else counts["QGMMA"] > 0), row
         assert counts["SYNCS"] > 0, row
@@ -1523,11 +1526,14 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         arrive_all = int(re.search(r"arrive_all=(\d+)", row).group(1))
         assert arrive_one > 0 and arrive_all >= arrive_one + 1, row
         # one per-block loop per partition, in address order consumer 1, producer, consumer 0, with the
-        # instructions per block they had when measured (docs/sparse_gqa.md: float8 303-331, NVFP4 526-534,
-        # the producer 82-90 with triton 3.6 and 3.7.1): a longer consumer loop is a slower kernel
+        # instructions they had when measured (docs/sparse_gqa.md: a consumer's loop, its rarely taken
+        # exact-maximum branch included, float8 395-436, NVFP4 609-621; the producer 82-90; triton 3.6 and
+        # 3.7.1): a longer consumer loop is a slower kernel; at most 5 spill stores or reloads in a loop
         loops = [int(n) for n in re.search(r"loops=([\d,]+)", row).group(1).split(",")]
-        assert len(loops) == 3, row
-        assert max(loops[0], loops[2]) <= (600 if nvfp4 else 360) and loops[1] <= 120, row
+        loop_spills = [int(n) for n in re.search(r"loop_spills=([\d,]+)", row).group(1).split(",")]
+        assert len(loops) == 3 and len(loop_spills) == 3, row
+        assert max(loops[0], loops[2]) <= (640 if nvfp4 else 450) and loops[1] <= 120, row
+        assert max(loop_spills) <= 5, row
 
 
 def test_racecheck_probe_builds_for_sm90():
@@ -1646,6 +1652,25 @@ def test_cuda_hopper_ring_depths(stages, kv_dtype):
         out = _out_buffer(args)
         gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="hopper",
                                          config=dict(num_stages=stages))
+        assert_matches_reference(out, args)
+
+
+@requires_hopper
+@pytest.mark.parametrize("spread", [1.0, 8.0, 64.0])
+@pytest.mark.parametrize("kv_dtype", [FP8, NVFP4], ids=DTYPE_NAMES.get)
+def test_cuda_hopper_reference_maximum(kv_dtype, spread):
+    """The consumers take a block's weights against a reference maximum and recompute it only when a
+    score exceeds it by more than a margin (docs/sparse_gqa.md, "The reference maximum"). With the
+    softmax scale multiplied by ``spread`` the scores span many binades, so later blocks often pass the
+    margin, in some heads and warps of a block and not in others, and the recomputation runs mid-list as
+    well as on each consumer's first block; split and unsplit, against the reference."""
+    cfg = Cfg(hq=32, hkv=2, dh=128, page_size=64, dql=2, q_dtype=BF16, kv_dtype=kv_dtype, batch=3, n_sel=12,
+              offset=16)
+    args, _ = make_inputs(cfg, seed=24, device="cuda")
+    args["softmax_scale"] *= spread
+    for num_splits in (1, 2):
+        out = _out_buffer(args)
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="hopper")
         assert_matches_reference(out, args)
 
 
