@@ -84,6 +84,10 @@ _WORKER_REGS = (96, 48)
 _CTAS_PER_SM = 2
 # Fewest blocks a split keeps (a split of one block has nothing to overlap its copies with).
 _MIN_BLOCKS_PER_SPLIT = 2
+# Fewest blocks per split for which the consumers take their weights against a reference maximum
+# (``_softmax_pv``'s ``LAZY``): it saves work in most blocks but costs a little per CTA, which shows
+# where a CTA has only a few blocks (docs/sparse_gqa.md, "The reference maximum").
+_LAZY_MIN_BLOCKS = 16
 # Most selected pages one CTA walks (its page table lives in shared memory).
 _MAX_PAGES_PER_SPLIT = 64
 
@@ -373,7 +377,7 @@ if HAS_GLUON:
                 ptrs = (out_ptr + t * stride_ot + h[None, :] * stride_oh + dims[:, None] * stride_od)
                 gl.store(ptrs, (o * factor[None, :]).to(out_ptr.dtype.element_ty), mask=head_ok[None, :])
 
-    # How far (in binades of the weights, base-2 logits) a score may exceed its head's running maximum
+    # How far (in binades of the weights, base-2 logits) a score may exceed its head's reference maximum
     # before the maximum is recomputed: the weights stay below 2**_TAU, which float16 holds.
     _TAU = gl.constexpr(8.0)
 
@@ -386,34 +390,62 @@ if HAS_GLUON:
             "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
 
     @gluon.jit
-    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red, flags, fb, first, HB: gl.constexpr, ROWS4: gl.constexpr,
-                    V_REGS: gl.constexpr):
+    def _exact_step(u, o, m_i, l_rows, pt, red, HB: gl.constexpr, ROWS4: gl.constexpr):
+        """``_softmax_pv``'s step with the block's maximum: the new running maximum ``m`` of each head
+        (over its four warps' partial maxima, through ``red``), the weights ``p`` against it (stored as
+        ``P^T`` to ``pt`` and published with a partition barrier), ``O^T`` and the row sums rescaled to
+        it. Returns ``(p, O^T, m, l_rows)``."""
+        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
+        # [4 partials, HB heads], every partial of a head in the thread that holds the head's scores
+        PARTS: gl.constexpr = gl.DistributedLinearLayout(
+            reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
+            warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, HB])
+        red.store(gl.max(gl.reshape(u, [4, 16, HB]), axis=1))
+        _cta_barrier()
+        m_blk = gl.convert_layout(gl.max(red.load(PARTS), axis=0), m_i.type.layout)
+        m_new = gl.maximum(m_i, m_blk)
+        m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)  # no key yet: keep every weight at 0
+        alpha = gl.exp2(m_i - m_safe)
+        p = gl.exp2(u - m_safe[None, :])
+        if ROWS4:
+            L3: gl.constexpr = l_rows.type.layout
+            l_rows = l_rows * gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
+        else:
+            l_rows = l_rows * alpha[None, :]
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(0, O_L))[None, :]
+        pt.store(p.to(gl.float16))
+        fence_async_shared()
+        _cta_barrier()  # every warp's part of P^T (and of a V tile) is stored before any warp's MMA reads them
+        return p, o, m_new, l_rows
+
+    @gluon.jit
+    def _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red, flags, fb, HB: gl.constexpr,
+                    ROWS4: gl.constexpr, V_REGS: gl.constexpr, LAZY: gl.constexpr):
         """One block's online-softmax step of a consumer, both kernels: the block's scores ``acc``
         (``S^T``, ``[64 keys, HB heads]``) times the per-head factor ``qk`` are base-2 logits (saturated,
         keys not ``valid`` at ``-inf``); returns ``(O^T, m, l_rows)`` after ``O^T += V^T P^T`` with the
         block's ``V`` tile ``v_tile`` (with ``V_REGS``: ``V^T`` itself, the register operand) and ``P^T``
         staged in ``pt`` (``l_rows`` shaped as ``ROWS4`` says).
 
-        ``m`` is a reference maximum per head, not always the running maximum: the weights are taken
-        against it (``exp2(u - m)``) as long as no score of the block exceeds it by more than ``_TAU``
-        (weights below ``2**_TAU``, exact to float16's relative precision as weights below 1 are), so
-        most blocks need neither the block's maximum across the four warps (a partition barrier and
-        shuffles) nor a rescale of ``O^T`` and the row sums. Each thread tests its own scores, each warp
-        votes, the warps' votes go through ``flags`` (``[4, 8, 4]`` int32, one word per thread; callers
-        alternate two such buffers between consecutive blocks) and are read back after the barrier that
-        publishes ``P^T``, and only when a vote was cast (a consumer's first block with a visible key,
-        and blocks whose scores grew past the margin) the block takes the exact maximum (``red``,
-        ``[4 warps, HB]``), rescales and stores ``P^T`` again. The result is the same softmax; only the
-        float16 rounding of the weights, taken against a different power-of-two-free reference, differs."""
-        O_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
-        HEADS_O: gl.constexpr = gl.SliceLayout(0, O_L)
+        The block's maximum over its keys takes one partition barrier: each warp reduces its 16 keys in
+        registers and shuffles, writes its 16 partial maxima to ``red`` ([4 warps, HB]), and after the
+        barrier every thread reads the four partials of its heads (the barrier before the ``P V`` MMA
+        keeps the next block's writes after these reads).
+
+        With ``LAZY`` ``m`` is a reference maximum per head rather than the running maximum: the block's
+        weights are first taken against it (``exp2(u - m)``), and only if a score exceeds it by more than
+        ``_TAU`` is the block's maximum taken as above, the weights recomputed and ``O^T`` and the row
+        sums rescaled. The weights stay below ``2**_TAU``; the softmax is the same, only its float16
+        weights are rounded against a different reference. Each thread tests its own scores, each warp
+        votes (``vote.sync.any``), the votes go through ``flags`` (``[4 buffers, 32 lanes, 4 warps]``
+        int32; buffer ``fb``, callers alternate two per consumer between its blocks) and are read back
+        after the barrier that publishes ``P^T``: most blocks need no cross-warp maximum and no rescale."""
         u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
         u = gl.where(valid[:, None], u, float("-inf"))
-        m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)  # no key yet: keep every weight at 0
-        p = gl.exp2(u - m_ref[None, :])
-        exact = first  # a consumer's first block has no reference yet: straight to its maximum
-        if not first:
-            # [4 warps, 2, 8 lane rows, 2, 4 lane columns, 2]: the thread's own scores lie along axes 1, 3, 5
+        if LAZY:
+            m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)  # no key yet: keep every weight at 0
+            p = gl.exp2(u - m_ref[None, :])
+            # [4 warps, 2, 8 lane rows, 2, 4 lane columns, 2]: a thread's own scores lie along axes 1, 3, 5
             over = gl.where(u > (m_i + _TAU)[None, :], 1, 0)
             over = gl.max(gl.max(gl.max(gl.reshape(over, [4, 2, 8, 2, 4, 2]), axis=5), axis=3), axis=1)
             flags.index(fb).store(gl.permute(gl.reshape(_warp_any(over), [4, 32]), (1, 0)))  # [lane, warp]
@@ -425,29 +457,10 @@ if HAS_GLUON:
                 reg_bases=[[1], [2]], lane_bases=[[0]] * 5, warp_bases=[[0]] * 2, block_bases=[], shape=[4])
             rows = flags._reinterpret(gl.int32, [4 * 32, 4], gl.SwizzledSharedLayout(
                 vec=1, per_phase=1, max_phase=1, order=[0]))
-            exact = gl.max(rows.index(32 * fb).load(VOTES), axis=0) != 0
-        if exact:
-            # [4 partials, HB heads], every partial of a head in the thread that holds the head's scores
-            PARTS: gl.constexpr = gl.DistributedLinearLayout(
-                reg_bases=[[1, 0], [2, 0], [0, 1], [0, 8]], lane_bases=[[0, 2], [0, 4], [0, 0], [0, 0], [0, 0]],
-                warp_bases=[[0, 0], [0, 0]], block_bases=[], shape=[4, HB])
-            red.store(gl.max(gl.reshape(u, [4, 16, HB]), axis=1))
-            _cta_barrier()
-            m_blk = gl.convert_layout(gl.max(red.load(PARTS), axis=0), m_i.type.layout)
-            m_new = gl.maximum(m_i, m_blk)
-            m_safe = gl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = gl.exp2(m_i - m_safe)
-            p = gl.exp2(u - m_safe[None, :])
-            if ROWS4:
-                L3: gl.constexpr = l_rows.type.layout
-                l_rows = l_rows * gl.convert_layout(alpha, gl.SliceLayout(0, gl.SliceLayout(1, L3)))[None, None, :]
-            else:
-                l_rows = l_rows * alpha[None, :]
-            o = o * gl.convert_layout(alpha, HEADS_O)[None, :]
-            m_i = m_new
-            pt.store(p.to(gl.float16))  # no MMA has read the first P^T yet
-            fence_async_shared()
-            _cta_barrier()
+            if gl.max(rows.index(32 * fb).load(VOTES), axis=0) != 0:  # no MMA has read this P^T yet
+                p, o, m_i, l_rows = _exact_step(u, o, m_i, l_rows, pt, red, HB, ROWS4)
+        else:
+            p, o, m_i, l_rows = _exact_step(u, o, m_i, l_rows, pt, red, HB, ROWS4)
         # the row sums stay per thread (summed over the keys once, after the loop): no cross-warp
         # reduction per block; with ROWS4 a thread adds its two key rows of each head as they come
         # ([4, 8, HB]: 4 registers, not 8; the NVFP4 consumer, which spills less so), else [64, HB]
@@ -491,7 +504,8 @@ if HAS_GLUON:
                   merge_ready,
                   CID: gl.constexpr,
                   CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
-                  HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
+                  HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
+                  LAZY: gl.constexpr):
         """Consumer ``CID`` (0 or 1): blocks ``CID, CID + 2, ...`` of the split, with its own online
         softmax; consumer 0 stages Q, merges consumer 1's state into its own and writes the result."""
         pid = gl.program_id(0)
@@ -541,8 +555,8 @@ if HAS_GLUON:
             _free_stage(kfree.index(s))
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_regs, pt, red_smem.index(CID), flag_smem, 2 * CID + (i // 2) % 2, i < 2, HB,
-                                         False, True)
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_regs, pt, red_smem.index(CID), flag_smem, 2 * CID + (i // 2) % 2,
+                                         HB, False, True, LAZY)
 
         # Consumer 1's O^T goes to the K stage of its last block (block 1's, which no block uses, when it
         # had none): a stage is used by blocks s, s + NR, ..., the last of which is that block, so
@@ -700,7 +714,8 @@ if HAS_GLUON:
                      qs, kdat, vdat, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready, ready, kfree,
                      q_ready, merge_ready,
                      CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr,
-                     HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
+                     HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
+                  LAZY: gl.constexpr):
         """As ``_consumer``, for an NVFP4 cache: per block it expands V into its own float16 tile and K
         into registers (values times ``2**-6``), frees the raw stage, and runs ``S^T = K Q^T`` (float16
         ``wgmma``, K from registers) and ``O^T += V^T P^T``."""
@@ -738,8 +753,8 @@ if HAS_GLUON:
             acc = warpgroup_mma(k_regs, qs.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             acc, k_regs = warpgroup_mma_wait(0, deps=(acc, k_regs))
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), flag_smem, 2 * CID + (i // 2) % 2, i < 2, HB,
-                                         True, False)
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), flag_smem, 2 * CID + (i // 2) % 2,
+                                         HB, True, False, LAZY)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
         # consumer 1's O^T goes to its V tile, unused by then
@@ -756,7 +771,8 @@ if HAS_GLUON:
                       qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
                       pages_ready, ready, kfree, q_ready, merge_ready,
                       CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
-                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr):
+                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
+                  LAZY: gl.constexpr):
         """Consumer ``CID`` of either kernel: ``_nv_consumer`` for an NVFP4 cache (``NQ = 0``), else
         ``_consumer`` (``ksc`` / ``vsc`` unused)."""
         if NQ == 0:
@@ -765,13 +781,13 @@ if HAS_GLUON:
                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                          qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
                          pages_ready, ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, HAS_K_SCALE,
-                         HAS_V_SCALE, SPLIT)
+                         HAS_V_SCALE, SPLIT, LAZY)
         else:
             _consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                       out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                       num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                       qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready,
-                      ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT)
+                      ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT, LAZY)
 
     # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
     # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
@@ -792,7 +808,8 @@ if HAS_GLUON:
         blocks_per_split, num_splits, decode_query_len,
         qk_scale, v_scale,  # as the portable kernel's
         PAGE_SIZE: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
-        HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr, WORKER_REGS: gl.constexpr,
+        HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr, LAZY: gl.constexpr,
+        WORKER_REGS: gl.constexpr,
     ):
         """Both cache formats: ``NQ`` is the number of float8 query pieces for a float8 value cache
         (2 for a bfloat16 query, 3 for float16), 0 for an NVFP4 cache."""
@@ -823,8 +840,11 @@ if HAS_GLUON:
         ml_smem = gl.allocate_shared_memory(gl.float32, [2, HB], VL1)  # consumer 1's (m, l)
         red_smem = gl.allocate_shared_memory(gl.float32, [2, 4, HB], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[1, 0]))  # each consumer's per-warp block maxima
-        flag_smem = gl.allocate_shared_memory(gl.int32, [4, 32, 4], gl.SwizzledSharedLayout(
-            vec=1, per_phase=1, max_phase=1, order=[1, 0]))  # each consumer's votes, two blocks' worth
+        if LAZY:  # each consumer's votes, two blocks' worth (_softmax_pv)
+            flag_smem = gl.allocate_shared_memory(gl.int32, [4, 32, 4], gl.SwizzledSharedLayout(
+                vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        else:
+            flag_smem = red_smem  # unused
         ready = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         kfree = gl.allocate_shared_memory(gl.int64, [NR, 1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -843,13 +863,13 @@ if HAS_GLUON:
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                               qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
                               pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE,
-                              HAS_V_SCALE, SPLIT)),
+                              HAS_V_SCALE, SPLIT, LAZY)),
              (_any_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                               qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
                               pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE,
-                              HAS_V_SCALE, SPLIT)),
+                              HAS_V_SCALE, SPLIT, LAZY)),
              (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
                           topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
                           bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
@@ -939,7 +959,8 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
     )
     meta = dict(PAGE_SIZE=page_size, HB=plan.block_h, NR=plan.num_stages,
                 BLOCK_SEL=max(next_pow2(cdiv(per_split, cpb) + 1), 2), HAS_K_SCALE=has_k_scale,
-                HAS_V_SCALE=has_v_scale, SPLIT=plan.num_splits > 1, WORKER_REGS=_WORKER_REGS)
+                HAS_V_SCALE=has_v_scale, SPLIT=plan.num_splits > 1, LAZY=per_split >= _LAZY_MIN_BLOCKS,
+                WORKER_REGS=_WORKER_REGS)
     meta["NQ"] = 0 if nvfp4 else 3 if q.dtype == torch.float16 else 2
     kernel = _sparse_gqa_decode_hopper_kernel
     grid = (num_tokens * num_kv_heads * plan.head_blocks * plan.num_splits,)

@@ -68,14 +68,16 @@ def _compile(fn, constexprs: dict, pointer_types: dict, float_args, div16, optio
 
 
 def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages: int = gqa_hopper.NUM_STAGES,
-                        cache: str = "fp8"):
+                        cache: str = "fp8", lazy: bool = False):
     """The sparse-GQA kernel (``ops/sparse_gqa_hopper.py``) as the launcher specialises it: ``q_dtype``
     ``bf16`` (two query pieces) or ``fp16`` (three), device scales given, a contiguous query and output;
-    ``cache`` ``"fp8"`` (a float8 value cache) or ``"nvfp4"`` (an NVFP4 cache: `NQ = 0`)."""
+    ``cache`` ``"fp8"`` (a float8 value cache) or ``"nvfp4"`` (an NVFP4 cache: `NQ = 0`); ``lazy`` the
+    softmax against a reference maximum (splits of at least ``_LAZY_MIN_BLOCKS`` blocks)."""
     nq = 0 if cache == "nvfp4" else 2 if q_dtype == "bf16" else 3
     fn = gqa_hopper._sparse_gqa_decode_hopper_kernel
     constexprs = dict(PAGE_SIZE=page_size, HB=gqa_hopper.BLOCK_H, NQ=nq, NR=stages, BLOCK_SEL=32, HAS_K_SCALE=True,
-                      HAS_V_SCALE=True, SPLIT=split, WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1, stride_od=1)
+                      HAS_V_SCALE=True, SPLIT=split, LAZY=lazy, WORKER_REGS=gqa_hopper._WORKER_REGS, stride_qd=1,
+                      stride_od=1)
     pointer_types = {"q_ptr": f"*{q_dtype}", "cache_ptr": "*u8" if cache == "nvfp4" else "*fp8e4nv",
                      "topk_ptr": "*i32", "bt_ptr": "*i32",
                      "kv_lens_ptr": "*i32", "qo_ptr": "*i32", "k_scale_ptr": "*fp32", "v_scale_ptr": "*fp32",
@@ -214,7 +216,7 @@ def main(argv=None) -> int:
     parser.add_argument("--only", help="comma-separated formats (auto, fp8_656, fp8_584)")
     parser.add_argument("--heads", default="64,16,32",
                         help="comma-separated heads per CTA: 64 (the 64-head kernel), 16 and 32 (the few-heads kernel)")
-    parser.add_argument("--gqa", action="store_true", help="the sparse-GQA kernel instead (split x query dtype)")
+    parser.add_argument("--gqa", action="store_true", help="the sparse-GQA kernel instead (split x lazy x query dtype)")
     args = parser.parse_args(argv)
     if not hopper.HAS_GLUON:
         print("this triton has no usable Gluon for Hopper", file=sys.stderr)
@@ -223,9 +225,11 @@ def main(argv=None) -> int:
         print(f"triton {triton.__version__}")
         for cache in ("fp8", "nvfp4"):
             for split in (False, True):
-                for q_dtype in ("bf16", "fp16"):
-                    label = f"gqa {cache} q={q_dtype} split={int(split)}"
-                    print(report(compile_gqa_variant(split, q_dtype, cache=cache), label, args.sass), flush=True)
+                for lazy in (False, True):
+                    for q_dtype in ("bf16", "fp16"):
+                        label = f"gqa {cache} q={q_dtype} split={int(split)} lazy={int(lazy)}"
+                        print(report(compile_gqa_variant(split, q_dtype, cache=cache, lazy=lazy), label, args.sass),
+                              flush=True)
         return 0
     formats = args.only.split(",") if args.only else ["fp8_656", "fp8_584", "auto"]
     print(f"triton {triton.__version__}")
