@@ -6,7 +6,7 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
 
 - **One CTA per (row, KV head, block of 16 query heads, split).** A block is 64 keys of one selected
   page (``cdiv(page_size, 64)`` blocks per page); a split is a range of blocks (at most 64 pages).
-- **Three partitions** (``gl.warp_specialize``; 80 registers per thread and 75 KB (float8) or 83 KB
+- **Three partitions** (``gl.warp_specialize``; 80 registers per thread and 75-79 KB (float8) or 83-85 KB
   (NVFP4) of shared memory, so two CTAs fit on an SM):
 
   - *producer* (4 warps): resolves the split's page list up front into a shared-memory table
@@ -80,7 +80,7 @@ NUM_STAGES = 4  # raw stages of the ring: up to NUM_STAGES blocks in flight
 # the second (the producer needs fewer than 48; with 88 for the second consumer it spilled in its loop).
 _MAXNREG = 80
 _WORKER_REGS = (96, 48)
-# CTAs the plan aims at per SM (registers and 75-83 KB of shared memory per CTA allow two)
+# CTAs the plan aims at per SM (registers and 75-85 KB of shared memory per CTA allow two)
 _CTAS_PER_SM = 2
 # Fewest blocks a split keeps (a split of one block has nothing to overlap its copies with).
 _MIN_BLOCKS_PER_SPLIT = 2
@@ -715,7 +715,7 @@ if HAS_GLUON:
                      q_ready, merge_ready,
                      CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr,
                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
-                  LAZY: gl.constexpr):
+                     LAZY: gl.constexpr):
         """As ``_consumer``, for an NVFP4 cache: per block it expands V into its own float16 tile and K
         into registers (values times ``2**-6``), frees the raw stage, and runs ``S^T = K Q^T`` (float16
         ``wgmma``, K from registers) and ``O^T += V^T P^T``."""
@@ -772,7 +772,7 @@ if HAS_GLUON:
                       pages_ready, ready, kfree, q_ready, merge_ready,
                       CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
                       HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
-                  LAZY: gl.constexpr):
+                      LAZY: gl.constexpr):
         """Consumer ``CID`` of either kernel: ``_nv_consumer`` for an NVFP4 cache (``NQ = 0``), else
         ``_consumer`` (``ksc`` / ``vsc`` unused)."""
         if NQ == 0:
