@@ -448,7 +448,13 @@ if HAS_GLUON:
             # [4 warps, 2, 8 lane rows, 2, 4 lane columns, 2]: a thread's own scores lie along axes 1, 3, 5
             over = gl.where(u > (m_i + _TAU)[None, :], 1, 0)
             over = gl.max(gl.max(gl.max(gl.reshape(over, [4, 2, 8, 2, 4, 2]), axis=5), axis=3), axis=1)
-            flags.index(fb).store(gl.permute(gl.reshape(_warp_any(over), [4, 32]), (1, 0)))  # [lane, warp]
+            vote = gl.permute(gl.reshape(_warp_any(over), [4, 32]), (1, 0))  # [lane, warp]
+            if V_REGS:
+                # every warp's part of the previous block's P V MMA has read P^T (the NVFP4 consumer
+                # meets a partition barrier after that MMA; the float8 one would otherwise rely on the
+                # compiler placing one here)
+                _cta_barrier()
+            flags.index(fb).store(vote)
             pt.store(p.to(gl.float16))
             fence_async_shared()
             _cta_barrier()  # every warp's part of P^T (and of a V tile) and its vote are stored
