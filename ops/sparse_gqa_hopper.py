@@ -506,8 +506,8 @@ if HAS_GLUON:
                   ws_ptr, ws_rows,
                   num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                   qk_scale, v_scale,
-                  qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready, ready, kfree, q_ready,
-                  merge_ready,
+                  qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready, ready, kfree,
+                  q_ready, merge_ready,
                   CID: gl.constexpr,
                   CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
                   HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
@@ -561,8 +561,8 @@ if HAS_GLUON:
             _free_stage(kfree.index(s))
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_regs, pt, red_smem.index(CID), flag_smem, 2 * CID + (i // 2) % 2,
-                                         HB, False, True, LAZY)
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_regs, pt, red_smem.index(CID), flag_smem,
+                                         2 * CID + (i // 2) % 2, HB, False, True, LAZY)
 
         # Consumer 1's O^T goes to the K stage of its last block (block 1's, which no block uses, when it
         # had none): a stage is used by blocks s, s + NR, ..., the last of which is that block, so
@@ -717,8 +717,8 @@ if HAS_GLUON:
                      ws_ptr, ws_rows,
                      num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
                      qk_scale, v_scale,
-                     qs, kdat, vdat, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready, ready, kfree,
-                     q_ready, merge_ready,
+                     qs, kdat, vdat, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready,
+                     ready, kfree, q_ready, merge_ready,
                      CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr,
                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
                      LAZY: gl.constexpr):
@@ -759,8 +759,8 @@ if HAS_GLUON:
             acc = warpgroup_mma(k_regs, qs.permute((1, 0)), zero_s, use_acc=False, is_async=True)
             acc, k_regs = warpgroup_mma_wait(0, deps=(acc, k_regs))
 
-            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), flag_smem, 2 * CID + (i // 2) % 2,
-                                         HB, True, False, LAZY)
+            o, m_i, l_rows = _softmax_pv(acc, qk, valid, o, m_i, l_rows, v_tile, pt, red_smem.index(CID), flag_smem,
+                                         2 * CID + (i // 2) % 2, HB, True, False, LAZY)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
         # consumer 1's O^T goes to its V tile, unused by then
@@ -774,8 +774,8 @@ if HAS_GLUON:
     def _any_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                       out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                       num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                      qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
-                      pages_ready, ready, kfree, q_ready, merge_ready,
+                      qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem,
+                      page_keys, pages_ready, ready, kfree, q_ready, merge_ready,
                       CID: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, HB: gl.constexpr, NQ: gl.constexpr,
                       HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
                       LAZY: gl.constexpr):
@@ -785,15 +785,16 @@ if HAS_GLUON:
             _nv_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                          num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                         qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
-                         pages_ready, ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, HAS_K_SCALE,
+                         qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem,
+                         page_keys, pages_ready, ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, HAS_K_SCALE,
                          HAS_V_SCALE, SPLIT, LAZY)
         else:
             _consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                       out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                       num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                      qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys, pages_ready,
-                      ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE, SPLIT, LAZY)
+                      qk_scale, v_scale, qs, kraw, vraw, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
+                      pages_ready, ready, kfree, q_ready, merge_ready, CID, CPB, NR, HB, NQ, HAS_K_SCALE, HAS_V_SCALE,
+                      SPLIT, LAZY)
 
     # The list sizes are never specialised: with n_sel, blocks_per_split and num_splits all 1 Triton
     # would fold the block count to the constant 1, and Triton 3.6 then fails to lower the partitions
@@ -867,15 +868,15 @@ if HAS_GLUON:
             [(_any_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
-                              pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ, HAS_K_SCALE,
-                              HAS_V_SCALE, SPLIT, LAZY)),
+                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem,
+                              page_keys, pages_ready, ready, kfree, q_ready, merge_ready, 0, CPB, NR, HB, NQ,
+                              HAS_K_SCALE, HAS_V_SCALE, SPLIT, LAZY)),
              (_any_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
                               out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows,
                               num_kv_heads, group, num_head_blocks, num_splits, blocks_per_split, n_sel,
-                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem, page_keys,
-                              pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ, HAS_K_SCALE,
-                              HAS_V_SCALE, SPLIT, LAZY)),
+                              qk_scale, v_scale, qs, kraw, vraw, ksc, vsc, vh, pt_smem, ml_smem, red_smem, flag_smem,
+                              page_keys, pages_ready, ready, kfree, q_ready, merge_ready, 1, CPB, NR, HB, NQ,
+                              HAS_K_SCALE, HAS_V_SCALE, SPLIT, LAZY)),
              (_producer, (cache_ptr, stride_cp, stride_ch, stride_co,
                           topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
                           bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
