@@ -132,7 +132,7 @@ def barrier_aliases(ck) -> int | None:
     return sum(1 for s in scratch for lo, hi in barriers if lo <= s < hi)
 
 
-def _inner_loop_bodies(sass: str, min_size: int = 64) -> list[list[str]]:
+def inner_loops(sass: str, min_size: int = 64) -> list[list[str]]:
     """The instructions of each innermost loop of at least ``min_size`` instructions, in address order:
     a backward branch before the kernel's last ``EXIT`` closes a loop from its target to itself (the
     out-of-line retry stubs of mbarrier waits after it jump back into the code they came from), and a
@@ -156,17 +156,6 @@ def _inner_loop_bodies(sass: str, min_size: int = 64) -> list[list[str]]:
     inner = [(lo, hi) for lo, hi in big if not any(lo <= lo2 and hi2 <= hi and (lo2, hi2) != (lo, hi)
                                                   for lo2, hi2 in big)]
     return [[addr[a] for a in sorted(addr) if lo <= a <= hi] for lo, hi in sorted(set(inner))]
-
-
-def inner_loops(sass: str, min_size: int = 64) -> list[int]:
-    """Instruction counts of the innermost loops (``_inner_loop_bodies``)."""
-    return [len(body) for body in _inner_loop_bodies(sass, min_size)]
-
-
-def inner_loop_spills(sass: str, min_size: int = 64) -> list[int]:
-    """Local-memory instructions (spill stores and reloads, ``STL`` / ``LDL``) in each innermost loop."""
-    return [sum(1 for text in body if re.search(r"\b(STL|LDL)\b", text))
-            for body in _inner_loop_bodies(sass, min_size)]
 
 
 def _or_unknown(value) -> str:
@@ -197,12 +186,13 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     from racecheck_probe import arrivals  # scripts/, this script's directory
 
     arrive_one, arrive_all = arrivals(ptx)
+    loops = inner_loops(sass)
+    loop_spills = [sum(1 for text in body if re.search(r"\b(STL|LDL)\b", text)) for body in loops]  # local memory
     line = (f"{label:44s} maxnreg={maxnreg} setmaxnreg={setmax} "
             f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
             f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items())
             + f" barrier_alias={_or_unknown(barrier_aliases(ck))} arrive_one={arrive_one} arrive_all={arrive_all}"
-            + f" loops={','.join(map(str, inner_loops(sass)))}"
-            + f" loop_spills={','.join(map(str, inner_loop_spills(sass)))}")
+            + f" loops={','.join(str(len(body)) for body in loops)} loop_spills={','.join(map(str, loop_spills))}")
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
         with open(os.path.join(sass_dir, label.replace(" ", "_") + ".sass"), "w") as f:
