@@ -440,8 +440,10 @@ if HAS_GLUON:
         votes (``vote.sync.any``), the votes go through ``flags`` (``[4 buffers, 32 lanes, 4 warps]``
         int32; buffer ``fb``, callers alternate two per consumer between its blocks) and are read back
         after the barrier that publishes ``P^T``: most blocks need no cross-warp maximum and no rescale."""
-        u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), _FLT_MAX)  # base-2 logits, saturated
-        u = gl.where(valid[:, None], u, float("-inf"))
+        # base-2 logits, saturated; a key the row may not see at -inf (the upper clamp: one select per key,
+        # not per score)
+        hi = gl.where(valid, _FLT_MAX, float("-inf"))
+        u = gl.minimum(gl.maximum(acc * qk[None, :], -_FLT_MAX), hi[:, None])
         if LAZY:
             m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)  # no key yet: keep every weight at 0
             p = gl.exp2(u - m_ref[None, :])
