@@ -1527,8 +1527,8 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         assert arrive_one > 0 and arrive_all >= arrive_one + 1, row
         # one per-block loop per partition, in address order consumer 1, producer, consumer 0, with the
         # instructions they had when measured (docs/sparse_gqa.md; triton 3.6 and 3.7.1: a consumer's loop
-        # float8 303-333, NVFP4 514-519; with the reference maximum, its rarely taken exact-maximum branch
-        # included, float8 393-436, NVFP4 605-621; the producer 82-90): a longer consumer loop is a slower
+        # float8 298-327, NVFP4 505-514; with the reference maximum, its rarely taken exact-maximum branch
+        # included, float8 388-424, NVFP4 599-605; the producer 82-90): a longer consumer loop is a slower
         # kernel; at most 5 spill stores or reloads in a loop
         lazy = " lazy=1" in row
         loops = [int(n) for n in re.search(r"loops=([\d,]+)", row).group(1).split(",")]
