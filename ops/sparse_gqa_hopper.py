@@ -45,8 +45,8 @@ Requirements (:func:`supported`; anything else takes the portable kernel): an sm
 or float16 query with ``Dh = 128``, a 16-byte aligned cache, and either a float8 value cache whose page,
 head and row strides are multiples of 16 bytes or an NVFP4 cache laid out as the format says with a
 page stride that is a multiple of 16 bytes. Gluon does not run under the Triton interpreter: this kernel is
-tested on the GPU only (``tests/test_sparse_gqa.py``, the ``hopper`` tests). ``docs/sparse_gqa.md``,
-"Decode on Hopper", has the measurements.
+tested on the GPU only (``tests/test_sparse_gqa.py``, the ``hopper`` tests). ``docs/sparse_gqa_hopper.md``
+has the design and the measurements.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ _CTAS_PER_SM = 2
 _MIN_BLOCKS_PER_SPLIT = 2
 # Fewest blocks per split for which the consumers take their weights against a reference maximum
 # (``_softmax_pv``'s ``LAZY``): it saves work in most blocks but costs a little per CTA, which shows
-# where a CTA has only a few blocks (docs/sparse_gqa.md, "The reference maximum").
+# where a CTA has only a few blocks (docs/sparse_gqa_hopper.md, "The reference maximum").
 _LAZY_MIN_BLOCKS = 16
 # Most selected pages one CTA walks (its page table lives in shared memory).
 _MAX_PAGES_PER_SPLIT = 64
@@ -577,7 +577,7 @@ if HAS_GLUON:
                          1.0, CID, HB, HAS_V_SCALE, SPLIT, 2)
 
     # -------------------------------------------------------------------------------------------------
-    # NVFP4 caches (docs/sparse_gqa.md, "NVFP4 on the same structure")
+    # NVFP4 caches (docs/sparse_gqa_hopper.md, "NVFP4 on the same structure")
     # -------------------------------------------------------------------------------------------------
     # Eight data bytes of one 16-value group (value 2i is the low nibble of byte i, 2i + 1 its high
     # nibble) and the group's E4M3 scale (in the low byte of each of eight copies) -> the float16 of each

@@ -93,7 +93,7 @@ def barrier_aliases(ck) -> int | None:
     TTGIR and compares offsets. The allocator reuses the memory of a barrier it considers dead (one that
     is initialised and never used again), but PTX requires an ``mbarrier.inval`` before an mbarrier's
     memory is used for anything else; a one-consumer variant of the sparse-GQA kernel had exactly that
-    and gave non-finite rows on an H200 (``docs/sparse_gqa.md``). ``None`` where this triton's pass API
+    and gave non-finite rows on an H200 (``docs/sparse_gqa_hopper.md``). ``None`` where this triton's pass API
     differs from 3.6 / 3.7's."""
     try:
         from triton._C.libtriton import ir, nvidia, passes

@@ -1512,7 +1512,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS|PREEXIT)=(\d+)", row)}
         assert re.search(r"maxnreg=\['80'\]", row), row
         assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
-        # spill stores: 40-124 bytes with triton 3.6 and 3.7.1 (docs/sparse_gqa.md), nearly all of them outside
+        # spill stores: 40-124 bytes with triton 3.6 and 3.7.1 (docs/sparse_gqa_hopper.md), nearly all of them outside
         # the per-block loops (checked below)
         assert spill_stores <= 128, row
         # float8: float8 Q K^T and float16 P V; NVFP4: float16 for both
@@ -1521,12 +1521,12 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         # a split kernel lets its combine (programmatic dependent launch) be scheduled once its partials are
         # stored (griddepcontrol.launch_dependents); an unsplit one has no dependent
         assert (counts["PREEXIT"] > 0) == (" split=1" in row), row
-        assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier (docs/sparse_gqa.md)
+        assert re.search(r"barrier_alias=0\b", row), row  # no scratch buffer on an mbarrier (docs/sparse_gqa_hopper.md)
         arrive_one = int(re.search(r"arrive_one=(\d+)", row).group(1))
         arrive_all = int(re.search(r"arrive_all=(\d+)", row).group(1))
         assert arrive_one > 0 and arrive_all >= arrive_one + 1, row
         # one per-block loop per partition, in address order consumer 1, producer, consumer 0, with the
-        # instructions they had when measured (docs/sparse_gqa.md; triton 3.6 and 3.7.1: a consumer's loop
+        # instructions they had when measured (docs/sparse_gqa_hopper.md; triton 3.6 and 3.7.1: a consumer's loop
         # float8 298-327, NVFP4 505-514; with the reference maximum, its rarely taken exact-maximum branch
         # included, float8 388-424, NVFP4 599-605; the producer 82-90): a longer consumer loop is a slower
         # kernel; at most 5 spill stores or reloads in a loop
@@ -1663,8 +1663,8 @@ def test_cuda_hopper_ring_depths(stages, kv_dtype):
 @pytest.mark.parametrize("kv_dtype", [FP8, NVFP4], ids=DTYPE_NAMES.get)
 def test_cuda_hopper_reference_maximum(kv_dtype, spread):
     """Splits of at least ``_LAZY_MIN_BLOCKS`` blocks take a block's weights against a reference maximum
-    and recompute it only when a score exceeds it by more than a margin (docs/sparse_gqa.md, "The
-    reference maximum"). With the softmax scale multiplied by ``spread`` the scores span many binades,
+    and recompute it only when a score exceeds it by more than a margin (docs/sparse_gqa_hopper.md,
+    "The reference maximum"). With the softmax scale multiplied by ``spread`` the scores span many binades,
     so later blocks often pass the margin, in some heads and warps of a block and not in others, and the
     recomputation runs mid-list as well as on each consumer's first block; split and unsplit, against
     the reference."""
