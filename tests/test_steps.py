@@ -168,25 +168,12 @@ class M3Step(torch.nn.Module):
         self.meta = tsm.MiniMaxM3MetadataBuilder(max_num_reqs=max_num_reqs, max_model_len=M3["max_model_len"],
                                                  page_size=M3["page"], decode_query_len=M3["q_len"], device=device)
         g = torch.Generator().manual_seed(4)
-        cache = torch.randn(POOL + 1, M3["hkv"], M3["page"], 2 * M3["dh"], generator=g).to(torch.float8_e4m3fn)
+        cache = torch.randn(POOL, M3["hkv"], M3["page"], 2 * M3["dh"], generator=g).to(torch.float8_e4m3fn)
         self.register_buffer("cache", cache.to(device))
-
-    def write(self, k, v, slots):
-        if hasattr(tsm, "gqa_kv_cache_insert"):
-            tsm.gqa_kv_cache_insert(k, v, slots, self.cache)
-            return
-        # Plain PyTorch until the library's writer is available: padding rows go to their own slot of
-        # the scratch page (one slot per row: rows <= page size here), so the bytes are deterministic.
-        scratch = POOL * M3["page"] + torch.arange(slots.shape[0], device=slots.device)
-        slots = torch.where(slots >= 0, slots, scratch)
-        page, row = slots // M3["page"], slots % M3["page"]
-        heads = torch.arange(M3["hkv"], device=k.device)
-        kv = torch.cat([k, v], dim=-1).clamp(-448, 448).to(self.cache.dtype)
-        self.cache[page[:, None], heads[None, :], row[:, None]] = kv
 
     def forward(self, seq_lens, block_table, topk_pages, q, k, v):
         m = self.meta(seq_lens, block_table)
-        self.write(k, v, m.slot_mapping)
+        tsm.gqa_kv_cache_insert(k, v, m.slot_mapping, self.cache)  # padding rows (slot -1) write nothing
         out = tsm.sparse_gqa_decode(q, self.cache, topk_pages, m.block_table, m.kv_segment_lens, m.qo_offset,
                                     decode_query_len=M3["q_len"], softmax_scale=M3["dh"] ** -0.5)
         return out, m.slot_mapping.clone()

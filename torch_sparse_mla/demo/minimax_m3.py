@@ -8,11 +8,11 @@ the local window, among them), causally. One step, for every request:
 2. cache writes (each layer's new K and V into its cache);
 3. attention (``sparse_gqa_decode`` per layer).
 
-The cache format is a table entry (:data:`FORMATS`): ``"fp8"`` pages (float8_e4m3fn with per-tensor
-K and V scales) today. A format names how to allocate a cache, how plain PyTorch writes and reads
-it, and the library writes it with ``gqa_kv_cache_insert`` when the installed version has that
-operator (otherwise the demo says so and writes with plain PyTorch). Adding the NVFP4 layout of
-docs/formats.md is one more entry. The page selector is model code: the demo draws random pages.
+The cache format is a table entry (:data:`FORMATS`, ``--m3-format``): ``"fp8"`` pages (float8_e4m3fn
+with per-tensor K and V scales) or ``"nvfp4"`` pages (E2M1 values with an E4M3 scale per 16 values,
+docs/formats.md). A format names how to allocate a cache and how plain PyTorch writes and reads it;
+the library step writes every format with ``gqa_kv_cache_insert``. The page selector is model code:
+the demo draws random pages.
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from ._common import (check_graphs, compile_step, cudagraph_skips, format_table,
                       whole_step_rows)
 
 I32, I64 = torch.int32, torch.int64
-HAS_GQA_INSERT = hasattr(tsm, "gqa_kv_cache_insert")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,11 +165,8 @@ class MiniMaxM3Step(torch.nn.Module):
     def write_caches(self, m, k, v):
         cfg = self.cfg
         for layer in range(cfg.layers):
-            if HAS_GQA_INSERT:
-                tsm.gqa_kv_cache_insert(k[layer], v[layer], m.slot_mapping, self.cache(layer), k_scale=cfg.k_scale,
-                                        v_scale=cfg.v_scale)
-            else:
-                self.plain_write(m.slot_mapping, k[layer], v[layer], self.cache(layer))
+            tsm.gqa_kv_cache_insert(k[layer], v[layer], m.slot_mapping, self.cache(layer), k_scale=cfg.k_scale,
+                                    v_scale=cfg.v_scale)
 
     def plain_write(self, slots, k, v, cache):
         """The format's plain-PyTorch writer; padding rows (slot -1) write the scratch page."""
@@ -238,10 +234,7 @@ def fill_history(model: MiniMaxM3Step, batch: Batch, gen: torch.Generator, devic
         for start in range(0, len(slots), 32768):  # bounded temporaries
             part = slots[start:start + 32768].to(device)
             k, v = (torch.randn(len(part), cfg.kv_heads, cfg.head_dim, generator=gen).to(device) for _ in range(2))
-            if HAS_GQA_INSERT:
-                tsm.gqa_kv_cache_insert(k, v, part, model.cache(layer), k_scale=cfg.k_scale, v_scale=cfg.v_scale)
-            else:
-                model.plain_write(part, k, v, model.cache(layer))
+            tsm.gqa_kv_cache_insert(k, v, part, model.cache(layer), k_scale=cfg.k_scale, v_scale=cfg.v_scale)
 
 
 def reference(model: MiniMaxM3Step, batch: Batch) -> torch.Tensor:
@@ -282,8 +275,6 @@ def _stack(outs) -> torch.Tensor:
 
 def run(cfg: Config, device: torch.device, iters: int, compile_plain: bool) -> str:
     say(f"MiniMax-M3-shaped sparse decode step: {cfg.describe()}")
-    if not HAS_GQA_INSERT:
-        say("  (this version has no gqa_kv_cache_insert: the caches are written with plain PyTorch in both steps)")
     gen = torch.Generator().manual_seed(1)
     batch = Batch(cfg, gen, device)
     args = [batch.tensors[k] for k in STEP_ARGS]
@@ -320,11 +311,10 @@ def run(cfg: Config, device: torch.device, iters: int, compile_plain: bool) -> s
         def row(name, fn_ours, fn_base):
             return stage_row(name, fn_ours, fn_base, device, iters, compile_plain)
 
-        writer = "gqa_kv_cache_insert" if HAS_GQA_INSERT else "plain writes"
         rows = [
             row("metadata (2 ops)", lambda: ours.metadata(x["seq_lens"], x["block_table"]),
                 lambda: base.metadata(x["seq_lens"], x["block_table"])),
-            row(f"cache writes ({cfg.layers} layers, {writer})", lambda: ours.write_caches(m_ours, x["k"], x["v"]),
+            row(f"cache writes ({cfg.layers} layers, gqa_kv_cache_insert)", lambda: ours.write_caches(m_ours, x["k"], x["v"]),
                 lambda: base.write_caches(m_base, x["k"], x["v"])),
             row(f"attention ({cfg.layers} layers)",
                 lambda: [ours.attend(m_ours, i, x["q"], x["topk_pages"]) for i in range(cfg.layers)],
