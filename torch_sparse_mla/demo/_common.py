@@ -139,7 +139,10 @@ def stage_row(name: str, fn_ours, fn_plain, device: torch.device, iters: int, co
 def whole_step_rows(ours, compiled, compiled_graph, plain, args, device: torch.device, iters: int,
                     compile_plain: bool) -> list[Row]:
     """Whole-step times (back-to-back steps, host included): eager, ``torch.compile`` and, on a GPU,
-    the CUDA graph of ``mode="reduce-overhead"``, for the library's step and the plain one."""
+    the CUDA graph of ``mode="reduce-overhead"``, for the library's step and the plain one; on a GPU
+    also the step captured by hand in one ``torch.cuda.graph`` (the library's eager step, the plain
+    step compiled with ``fullgraph=True``) and replayed back to back, which leaves out the host work of
+    a ``reduce-overhead`` call (``docs/integration.md``)."""
     rows = [Row("whole step, eager", time_loop(lambda: ours(*args), device, iters),
                 time_loop(lambda: plain(*args), device, iters))]
     if compiled_graph is not None:  # on a CPU the default-mode step is the one already compiled
@@ -159,4 +162,7 @@ def whole_step_rows(ours, compiled, compiled_graph, plain, args, device: torch.d
     rows.append(Row("whole step, CUDA graph", time_loop(lambda: compiled_graph(*args), device, iters),
                     time_loop(lambda: plain_graph(*args), device, iters) if plain_graph is not None else None,
                     "reduce-overhead"))
+    rows.append(Row("whole step, one CUDA graph", time_graph(lambda: ours(*args), device, iters),
+                    time_graph(lambda: plain_default(*args), device, iters) if plain_default is not None else None,
+                    "torch.cuda.graph, captured by hand"))
     return rows
