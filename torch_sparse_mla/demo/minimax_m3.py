@@ -314,8 +314,8 @@ def run(cfg: Config, device: torch.device, iters: int, compile_plain: bool) -> s
         rows = [
             row("metadata (2 ops)", lambda: ours.metadata(x["seq_lens"], x["block_table"]),
                 lambda: base.metadata(x["seq_lens"], x["block_table"])),
-            row(f"cache writes ({cfg.layers} layers, gqa_kv_cache_insert)", lambda: ours.write_caches(m_ours, x["k"], x["v"]),
-                lambda: base.write_caches(m_base, x["k"], x["v"])),
+            row(f"cache writes ({cfg.layers} layers, gqa_kv_cache_insert)",
+                lambda: ours.write_caches(m_ours, x["k"], x["v"]), lambda: base.write_caches(m_base, x["k"], x["v"])),
             row(f"attention ({cfg.layers} layers)",
                 lambda: [ours.attend(m_ours, i, x["q"], x["topk_pages"]) for i in range(cfg.layers)],
                 lambda: [base.attend(m_base, i, x["q"], x["topk_pages"]) for i in range(cfg.layers)]),
