@@ -28,7 +28,7 @@ import time
 import torch
 
 from torch_sparse_mla.demo import deepseek_v4, minimax_m3
-from torch_sparse_mla.demo._common import compile_step
+from torch_sparse_mla.demo._common import capture_graph, compile_step
 
 
 def _back_to_back(fn, iters: int = 50, reps: int = 5):
@@ -72,15 +72,7 @@ def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) 
     _, compiled = compile_step(model, device)
     for _ in range(3):
         compiled(*args)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model(*args)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        model(*args)
+    graph = capture_graph(lambda: model(*args), device)
     torch.cuda.synchronize()
     rows = {
         "reduce-overhead, back to back": _back_to_back(lambda: compiled(*args)),

@@ -81,10 +81,9 @@ def time_loop(fn: Callable[[], object], device: torch.device, iters: int, repeat
     return statistics.median(samples)
 
 
-def time_graph(fn: Callable[[], object], device: torch.device, iters: int, repeats: int = 3) -> float:
-    """Device microseconds of ``fn`` captured in a CUDA graph (median replay time). ``fn`` must be
-    capturable: it is run twice on a side stream first (Triton kernels and inductor code compile
-    there), then captured once."""
+def capture_graph(fn: Callable[[], object], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``fn`` captured in a CUDA graph. ``fn`` must be capturable: it is run twice on a side stream
+    first (Triton kernels and inductor code compile there), then captured once."""
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(side):
@@ -94,7 +93,13 @@ def time_graph(fn: Callable[[], object], device: torch.device, iters: int, repea
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_loop(graph.replay, device, iters, repeats)
+    return graph
+
+
+def time_graph(fn: Callable[[], object], device: torch.device, iters: int, repeats: int = 3) -> float:
+    """Device microseconds of ``fn`` captured in a CUDA graph (:func:`capture_graph`; median replay
+    time)."""
+    return time_loop(capture_graph(fn, device).replay, device, iters, repeats)
 
 
 @dataclasses.dataclass
