@@ -666,7 +666,8 @@ def _sparse_gqa_combine_kernel(
         wait_for_prior_grid()
     # Merge the per-split (max, sum, unnormalised accumulator) triples of a block of query heads. Every
     # split's partial is loaded in one step (not one split after the other), so a few programs finish
-    # in about one memory latency.
+    # in about one memory latency. When one step holds every split (BLOCK_S == BLOCK_SM) the
+    # accumulators are loaded with the maxima, before the maximum is known: one round of loads, not two.
     FLT_MAX: tl.constexpr = 3.4028234663852886e38
     stride_o_t = tl.cast(stride_o_t, tl.int64)
     stride_o_h = tl.cast(stride_o_h, tl.int64)
@@ -680,25 +681,32 @@ def _sparse_gqa_combine_kernel(
     h_ok = h < num_q_heads
     row = t * num_q_heads + h  # int64
     s_all = tl.arange(0, BLOCK_SM)
+    d = tl.arange(0, BLOCK_D)
     ms_mask = h_ok[:, None] & (s_all[None, :] < num_splits)
     m = tl.load(ws_m_ptr + row[:, None] * num_splits + s_all[None, :], mask=ms_mask, other=float("-inf"))
     l = tl.load(ws_l_ptr + row[:, None] * num_splits + s_all[None, :], mask=ms_mask, other=0.0)
+    if BLOCK_S == BLOCK_SM:  # every split's accumulator in the same round of loads as the maxima
+        acc_rows = (row[:, None] * num_splits + s_all[None, :]) * HEAD_DIM  # [BLOCK_HC, BLOCK_SM]
+        part = tl.load(ws_acc_ptr + acc_rows[:, :, None] + d[None, None, :],
+                       mask=ms_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
     m_max = tl.max(m, axis=1)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: all weights 0
-    l_sum = tl.sum(tl.exp2(m - m_safe[:, None]) * l, axis=1)
-
-    d = tl.arange(0, BLOCK_D)
-    s = tl.arange(0, BLOCK_S)
-    acc = tl.zeros([BLOCK_HC, BLOCK_D], dtype=tl.float32)
-    for s0 in range(0, num_splits, BLOCK_S):
-        sp = s0 + s
-        sp_mask = h_ok[:, None] & (sp[None, :] < num_splits)
-        w = tl.exp2(tl.load(ws_m_ptr + row[:, None] * num_splits + sp[None, :], mask=sp_mask, other=float("-inf"))
-                    - m_safe[:, None])  # [BLOCK_HC, BLOCK_S]
-        acc_rows = (row[:, None] * num_splits + sp[None, :]) * HEAD_DIM  # [BLOCK_HC, BLOCK_S]
-        part_mask = sp_mask[:, :, None] & (d < HEAD_DIM)[None, None, :]
-        part = tl.load(ws_acc_ptr + acc_rows[:, :, None] + d[None, None, :], mask=part_mask, other=0.0)
-        acc += tl.sum(w[:, :, None] * part, axis=1)
+    w_all = tl.exp2(m - m_safe[:, None])
+    l_sum = tl.sum(w_all * l, axis=1)
+    if BLOCK_S == BLOCK_SM:
+        acc = tl.sum(w_all[:, :, None] * part, axis=1)
+    else:
+        s = tl.arange(0, BLOCK_S)
+        acc = tl.zeros([BLOCK_HC, BLOCK_D], dtype=tl.float32)
+        for s0 in range(0, num_splits, BLOCK_S):
+            sp = s0 + s
+            sp_mask = h_ok[:, None] & (sp[None, :] < num_splits)
+            w = tl.exp2(tl.load(ws_m_ptr + row[:, None] * num_splits + sp[None, :], mask=sp_mask,
+                                other=float("-inf")) - m_safe[:, None])  # [BLOCK_HC, BLOCK_S]
+            acc_rows = (row[:, None] * num_splits + sp[None, :]) * HEAD_DIM  # [BLOCK_HC, BLOCK_S]
+            part_mask = sp_mask[:, :, None] & (d < HEAD_DIM)[None, None, :]
+            part = tl.load(ws_acc_ptr + acc_rows[:, :, None] + d[None, None, :], mask=part_mask, other=0.0)
+            acc += tl.sum(w[:, :, None] * part, axis=1)
     vf = tl.full([BLOCK_HC], 1.0, tl.float32) * v_scale
     if HAS_V_SCALE:
         vf = tl.minimum(tl.maximum(vf * tl.load(v_scale_ptr), -FLT_MAX), FLT_MAX)
@@ -710,8 +718,12 @@ def _sparse_gqa_combine_kernel(
 
 # Most pages one program resolves up front (bounds the register vector of the page list).
 _MAX_PAGES_PER_PROGRAM = 64
-# Partial rows (heads x splits) the combine kernel loads per step.
+# Partial rows (heads x splits) the combine kernel loads per step: half of it for plans of at most
+# _COMBINE_FEW_SPLITS splits (more programs, each loading less). Measured on an H200 (docs/sparse_gqa_hopper.md,
+# "Small T: what the combine costs"): with 16 splits (T = 1, 4) 32 rows were as fast or 0.4 µs faster than
+# 16; with 4 or 2 splits (T = 16, 24) 16 rows were 0.4-0.7 µs faster than 32.
 _COMBINE_ROWS = 32
+_COMBINE_FEW_SPLITS = 4
 # The splits are grid dimension 1, which CUDA caps at 65535.
 _MAX_GRID_Y = 65535
 
@@ -849,8 +861,9 @@ def _make_combine(q, out, plan: LaunchPlan, v_scale, has_v_scale, pdl: bool = Fa
     rows = num_tokens * num_q_heads * plan.num_splits
     block_d = max(next_pow2(head_dim), 16)
     block_sm = next_pow2(plan.num_splits)
-    block_s = min(block_sm, _COMBINE_ROWS)
-    block_hc = min(max(_COMBINE_ROWS // block_s, 1), next_pow2(num_q_heads))
+    per_step = _COMBINE_ROWS if plan.num_splits > _COMBINE_FEW_SPLITS else max(_COMBINE_ROWS // 2, 1)
+    block_s = min(block_sm, per_step)
+    block_hc = min(max(per_step // block_s, 1), next_pow2(num_q_heads))
     combine = KernelLaunch(
         _sparse_gqa_combine_kernel, (num_tokens, cdiv(num_q_heads, block_hc)),
         (out, rows, out, out, out.stride(0), out.stride(1), out.stride(2), num_q_heads, plan.num_splits, v_scale),

@@ -486,10 +486,13 @@ def _sparse_mla_combine_fanout_kernel(
     num_heads, num_head_blocks, num_splits, qk_scale, lse_scale,  # softmax_factors(softmax_scale)[0, 2]
     BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DV: tl.constexpr,
     DV_PAD: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr,
+    ONE_STEP: tl.constexpr,  # num_splits <= BLOCK_S: every partial of the tile in one round of loads
 ):
     """One program per (token, block of BLOCK_H heads, BLOCK_D output dims). The partials of
     BLOCK_S splits are loaded as one [BLOCK_S, BLOCK_H, BLOCK_D] tile, so every split's bytes are in
-    flight at once (a loop of one split per step waits on one load per split: latency-bound)."""
+    flight at once (a loop of one split per step waits on one load per split: latency-bound). With
+    ``ONE_STEP`` the maxima, sums and partials are loaded together, before the maximum is known (one
+    memory latency instead of two)."""
     if PDL:  # launched programmatically dependent: wait for the decode kernel's results
         wait_for_prior_grid()
     stride_sink, stride_ot, stride_oh, stride_od, stride_lt, stride_lh = _combine_strides(
@@ -499,6 +502,33 @@ def _sparse_mla_combine_fanout_kernel(
     d0 = tl.program_id(1) * BLOCK_D
     cols = d0 + tl.arange(0, BLOCK_D)
     splits = tl.arange(0, BLOCK_S)
+    if ONE_STEP:
+        ok = (splits < num_splits)[:, None] & head_ok[None, :]
+        rows = (t * num_splits + splits.to(tl.int64))[:, None] * num_heads + heads.to(tl.int64)[None, :]
+        m_s = tl.load(ws_ml_ptr + rows * 2, mask=ok, other=float("-inf"))
+        l_s = tl.load(ws_ml_ptr + rows * 2 + 1, mask=ok, other=0.0)
+        a = tl.load(ws_ptr + rows[:, :, None] * DV_PAD + cols[None, None, :], mask=ok[:, :, None], other=0.0)
+        m_max = tl.max(m_s, axis=0)
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.exp2((m_s - m_use[None, :]) * qk_scale)  # 0 for a split without candidates (m_s = -inf)
+        l_i = tl.sum(l_s * w, axis=0)
+        acc = tl.sum(a * w[:, :, None], axis=0)
+    else:
+        m_use, l_i, acc = _fanout_steps(ws_ptr, ws_ml_ptr, t, heads, head_ok, cols, splits, num_heads, num_splits,
+                                        qk_scale, BLOCK_S, BLOCK_H, BLOCK_D, DV_PAD)
+    lse, factor = _finish_rows(m_use, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
+    tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok & (d0 == 0))
+    out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
+    mask = head_ok[:, None] & (cols < DV)[None, :]
+    tl.store(out_rows[:, None] + cols.to(tl.int64)[None, :] * stride_od,
+             (acc * factor[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _fanout_steps(ws_ptr, ws_ml_ptr, t, heads, head_ok, cols, splits, num_heads, num_splits, qk_scale,
+                  BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DV_PAD: tl.constexpr):
+    """The fan-out combine over more than ``BLOCK_S`` splits: the maximum in a first pass, then the
+    weighted sums, ``BLOCK_S`` splits per step. Returns ``(m_use, l_i, acc)``."""
     # [BLOCK_S, BLOCK_H] workspace rows of split s0 + s, head h
     m_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
@@ -517,12 +547,7 @@ def _sparse_mla_combine_fanout_kernel(
         l_i += tl.sum(l_s * w, axis=0)
         a = tl.load(ws_ptr + rows[:, :, None] * DV_PAD + cols[None, None, :], mask=ok[:, :, None], other=0.0)
         acc += tl.sum(a * w[:, :, None], axis=0)
-    lse, factor = _finish_rows(m_use, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS_SINK)
-    tl.store(lse_ptr + t * stride_lt + heads * stride_lh, lse, mask=head_ok & (d0 == 0))
-    out_rows = out_ptr + t * stride_ot + heads.to(tl.int64) * stride_oh
-    mask = head_ok[:, None] & (cols < DV)[None, :]
-    tl.store(out_rows[:, None] + cols.to(tl.int64)[None, :] * stride_od,
-             (acc * factor[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+    return m_use, l_i, acc
 
 
 def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None, *,
@@ -683,9 +708,12 @@ def combine_fans_out(num_tokens: int, num_heads: int, num_splits: int) -> bool:
 
 
 def combine_blocks(num_splits: int, num_heads: int, dv_pad: int) -> tuple[int, int, int]:
-    """``(BLOCK_S, BLOCK_H, BLOCK_D)`` of the fan-out combine: up to 16 splits per load and a tile of at
-    most 4096 float32 partials (32 per thread)."""
-    block_s = min(16, next_pow2(num_splits))
+    """``(BLOCK_S, BLOCK_H, BLOCK_D)`` of the fan-out combine: up to 32 splits per load and a tile of at
+    most 4096 float32 partials (32 per thread). Measured on an H200 (docs/sparse_mla_hopper.md, "Split-K
+    at small T"): with 32 splits (T = 1, one block of 64 candidates per split) 32 per load instead of 16
+    took fp8_656 H = 128 from 23.1 to 20.1 µs and H = 64 from 21.6 to 18.5; tiles of 2048 or 8192
+    partials were slower."""
+    block_s = min(32, next_pow2(num_splits))
     block_d = min(64, next_pow2(dv_pad))
     block_h = max(1, min(next_pow2(num_heads), 4096 // (block_s * block_d)))
     return block_s, block_h, block_d
@@ -703,7 +731,7 @@ def _make_combine(num_tokens, num_heads, head_dim_v, dv_pad, splits, ws_ml_off, 
         block_s, block_h, block_d = combine_blocks(splits, num_heads, dv_pad)
         head_blocks_c = cdiv(num_heads, block_h)
         kernel, grid = _sparse_mla_combine_fanout_kernel, (num_tokens * head_blocks_c, cdiv(dv_pad, block_d))
-        meta = dict(BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d)
+        meta = dict(BLOCK_S=block_s, BLOCK_H=block_h, BLOCK_D=block_d, ONE_STEP=splits <= block_s)
     else:
         block_h = min(_COMBINE_HEADS, next_pow2(num_heads))
         head_blocks_c = cdiv(num_heads, block_h)

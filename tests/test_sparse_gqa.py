@@ -817,6 +817,24 @@ def test_triton_interpreter_matches_reference(cfg, num_splits):
 
 
 @requires_interpreter
+@pytest.mark.parametrize("cfg", INTERPRETER_CASES[:2], ids=lambda c: c.id)
+def test_triton_interpreter_combine_in_steps(cfg, monkeypatch):
+    """The split combine merges the partials in one round of loads when every split fits one step
+    (the plans' case), and in steps of ``_COMBINE_ROWS`` splits after a pass for the maximum otherwise:
+    both give the reference's result (6 splits; steps of 2 forced)."""
+    args, _ = make_inputs(cfg, seed=7)
+    for rows, one_step in ((32, True), (2, False)):
+        monkeypatch.setattr(gqa_ops, "_COMBINE_ROWS", rows)
+        gqa_ops._PLANS.clear()
+        out = _out_buffer(args)
+        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=6, path="portable")
+        (_, _, combine), = gqa_ops._PLANS.values()
+        gqa_ops._PLANS.clear()
+        assert (combine.meta["BLOCK_S"] == combine.meta["BLOCK_SM"]) is one_step
+        assert_matches_reference(out, args)
+
+
+@requires_interpreter
 @pytest.mark.parametrize("transposed", [False, True], ids=["key_groups", "transposed"])
 @pytest.mark.parametrize("cfg", INTERPRETER_CASES[:2], ids=lambda c: c.id)
 def test_triton_interpreter_tile_forms(cfg, transposed):
@@ -1621,6 +1639,19 @@ def test_hopper_split_plan(tokens, n_sel, splits):
     assert hopper.blocks_per_split(n_sel, 128, plan) <= 128
     assert hopper.plan_launch(tokens, 4, 48, n_sel, 128, 132).head_blocks == 3
     assert hopper.plan_launch(tokens, 4, 16, n_sel, 128, 132, num_splits=5).num_splits == 5
+
+
+@pytest.mark.parametrize("splits,rows", [(16, 32), (5, 32), (4, 16), (2, 16)])
+def test_combine_rows_per_program(splits, rows):
+    """The split combine loads 32 partial rows (heads x splits) per program, 16 for plans of at most 4
+    splits (measured faster on an H200 at T = 16 and 24, docs/sparse_gqa_hopper.md); every split of a
+    head in one step."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper as hopper
+
+    plan = hopper.plan_launch(1, 4, 16, 16, 128, 132, num_splits=splits)
+    q = torch.empty(1, 64, 128)
+    meta = gqa_ops._make_combine(q, torch.empty_like(q), plan, 1.0, False).meta
+    assert meta["BLOCK_S"] == meta["BLOCK_SM"] and meta["BLOCK_S"] * meta["BLOCK_HC"] == rows
 
 
 def test_hopper_path_off_cuda():

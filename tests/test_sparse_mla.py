@@ -520,11 +520,16 @@ def test_triton_interpreter_recorded_split_launches():
 
 
 @requires_interpreter
-@pytest.mark.parametrize("fan_out", [True, False], ids=["fan-out", "per-split"])
-def test_triton_interpreter_both_combines(monkeypatch, fan_out):
-    """Either combine kernel merges the same partials into the reference's result: 9 splits (one
-    chunk of the fan-out's 16), some without a candidate, a sink, lengths, an empty row."""
+@pytest.mark.parametrize("fan_out,steps", [(True, False), (True, True), (False, False)],
+                         ids=["fan-out", "fan-out-steps", "per-split"])
+def test_triton_interpreter_both_combines(monkeypatch, fan_out, steps):
+    """Either combine kernel merges the same partials into the reference's result: 9 splits, some
+    without a candidate, a sink, lengths, an empty row. The fan-out combine loads them in one round
+    (9 <= its 32 splits per load) or, with 4 splits per load forced, in three steps after a pass for
+    the maximum."""
     monkeypatch.setattr(mla_ops, "combine_fans_out", lambda *args: fan_out)
+    if steps:
+        monkeypatch.setattr(mla_ops, "combine_blocks", lambda splits, heads, dv_pad: (4, 16, 64))
     mla_ops._PLANS.clear()
     spec = Spec(kv_format="fp8_656", T=2, H=20, K=70, K2=40, dtype=torch.float16, lengths=True, sink="finite",
                 empty_row=True, bad_indices=True)
@@ -535,6 +540,8 @@ def test_triton_interpreter_both_combines(monkeypatch, fan_out):
     mla_ops._PLANS.clear()
     want = mla_ops._sparse_mla_combine_fanout_kernel if fan_out else mla_ops._sparse_mla_combine_kernel
     assert combine.kernel is want
+    if fan_out:
+        assert combine.meta["ONE_STEP"] is not steps
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 
