@@ -1185,8 +1185,9 @@ def _nvfp4_write(x, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDER: tl.con
         lo_y = _quotient(tl.minimum(lo_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True)
         hi_y = _quotient(tl.minimum(hi_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True)
     else:
-        lo_y = _div_rn(lo_abs, d)
-        hi_y = _div_rn(hi_abs, d)
+        d_ok = tl.where(keep, d, 1.0)  # groups not kept store 0 whatever the quotient: no 0 / 0 made
+        lo_y = _div_rn(lo_abs, d_ok)
+        hi_y = _div_rn(hi_abs, d_ok)
     lo_code = _e2m1_code(lo_y) | ((lo.to(tl.int32, bitcast=True) >> 28) & 8)
     hi_code = _e2m1_code(hi_y) | ((hi.to(tl.int32, bitcast=True) >> 28) & 8)
     data = tl.reshape(tl.where(keep, lo_code | (hi_code << 4), 0), [BLOCK_R, 64]).to(tl.uint8)  # byte 8j + b

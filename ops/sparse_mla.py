@@ -290,7 +290,8 @@ def _finish_rows(m_i, l_i, lse_scale, heads, head_ok, sink_ptr, stride_sink, HAS
     sink's ``1 / (1 + exp(sink - lse))``); rows without a candidate get ``+inf`` and 0. ``lse`` of a
     row with candidates saturates at +-FLT_MAX, so ``+inf`` keeps meaning "no candidate"."""
     has = l_i > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
-    lse = m_i * lse_scale + tl.log2(tl.where(has, l_i, 1.0)) * _LN2  # may overflow to +-inf: saturated next
+    # m is -inf in a row without a candidate: selected away first, so that a zero scale gives no NaN
+    lse = tl.where(has, m_i, 0.0) * lse_scale + tl.log2(tl.where(has, l_i, 1.0)) * _LN2  # may overflow: saturated next
     lse = tl.where(has, tl.minimum(tl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
     factor = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     if HAS_SINK:

@@ -646,7 +646,7 @@ if HAS_GLUON:
         with no candidate) and the factor that normalises ``O`` (0 for such a row; the sink joins the
         denominator)."""
         has = l_o > 0  # l >= 1 once a candidate was seen (its own weight is exp2(0))
-        lse = m_o * lse_scale + gl.log2(gl.where(has, l_o, 1.0)) * _LN2
+        lse = gl.where(has, m_o, 0.0) * lse_scale + gl.log2(gl.where(has, l_o, 1.0)) * _LN2  # no NaN from -inf * 0
         lse = gl.where(has, gl.minimum(gl.maximum(lse, -_FLT_MAX), _FLT_MAX), float("inf"))
         factor = gl.where(has, 1.0 / gl.where(has, l_o, 1.0), 0.0)
         if HAS_SINK:
