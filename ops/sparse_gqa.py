@@ -686,9 +686,7 @@ def _sparse_gqa_combine_kernel(
     m = tl.load(ws_m_ptr + row[:, None] * num_splits + s_all[None, :], mask=ms_mask, other=float("-inf"))
     l = tl.load(ws_l_ptr + row[:, None] * num_splits + s_all[None, :], mask=ms_mask, other=0.0)
     if BLOCK_S == BLOCK_SM:  # every split's accumulator in the same round of loads as the maxima
-        acc_rows = (row[:, None] * num_splits + s_all[None, :]) * HEAD_DIM  # [BLOCK_HC, BLOCK_SM]
-        part = tl.load(ws_acc_ptr + acc_rows[:, :, None] + d[None, None, :],
-                       mask=ms_mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
+        part = _split_partials(ws_acc_ptr, row, s_all, ms_mask, d, num_splits, HEAD_DIM)
     m_max = tl.max(m, axis=1)
     m_safe = tl.where(m_max == float("-inf"), 0.0, m_max)  # every split empty: all weights 0
     w_all = tl.exp2(m - m_safe[:, None])
@@ -703,9 +701,7 @@ def _sparse_gqa_combine_kernel(
             sp_mask = h_ok[:, None] & (sp[None, :] < num_splits)
             w = tl.exp2(tl.load(ws_m_ptr + row[:, None] * num_splits + sp[None, :], mask=sp_mask,
                                 other=float("-inf")) - m_safe[:, None])  # [BLOCK_HC, BLOCK_S]
-            acc_rows = (row[:, None] * num_splits + sp[None, :]) * HEAD_DIM  # [BLOCK_HC, BLOCK_S]
-            part_mask = sp_mask[:, :, None] & (d < HEAD_DIM)[None, None, :]
-            part = tl.load(ws_acc_ptr + acc_rows[:, :, None] + d[None, None, :], mask=part_mask, other=0.0)
+            part = _split_partials(ws_acc_ptr, row, sp, sp_mask, d, num_splits, HEAD_DIM)
             acc += tl.sum(w[:, :, None] * part, axis=1)
     vf = tl.full([BLOCK_HC], 1.0, tl.float32) * v_scale
     if HAS_V_SCALE:
@@ -714,6 +710,15 @@ def _sparse_gqa_combine_kernel(
     o_ptrs = out_ptr + t * stride_o_t + h.to(tl.int64)[:, None] * stride_o_h + d.to(tl.int64)[None, :] * stride_o_d
     tl.store(o_ptrs, (acc * scale[:, None]).to(out_ptr.dtype.element_ty),
              mask=h_ok[:, None] & (d[None, :] < HEAD_DIM))
+
+
+@triton.jit
+def _split_partials(ws_acc_ptr, row, sp, mask, d, num_splits, HEAD_DIM: tl.constexpr):
+    """The accumulators ``[BLOCK_HC, splits, BLOCK_D]`` of splits ``sp`` of the workspace rows ``row`` (0 where
+    ``mask`` is off, and past ``HEAD_DIM``)."""
+    acc_rows = (row[:, None] * num_splits + sp[None, :]) * HEAD_DIM  # [BLOCK_HC, splits]
+    return tl.load(ws_acc_ptr + acc_rows[:, :, None] + d[None, None, :],
+                   mask=mask[:, :, None] & (d < HEAD_DIM)[None, None, :], other=0.0)
 
 
 # Most pages one program resolves up front (bounds the register vector of the page list).

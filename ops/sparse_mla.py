@@ -461,7 +461,7 @@ def _sparse_mla_combine_kernel(
     for s in range(num_splits):
         row = (t * num_splits + s) * num_heads + heads.to(tl.int64)
         m_max = tl.maximum(m_max, tl.load(ws_ml_ptr + row * 2, mask=head_ok, other=float("-inf")))
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    m_use = _safe_max(m_max)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, DV_PAD], dtype=tl.float32)
     for s in range(num_splits):
@@ -504,13 +504,11 @@ def _sparse_mla_combine_fanout_kernel(
     cols = d0 + tl.arange(0, BLOCK_D)
     splits = tl.arange(0, BLOCK_S)
     if ONE_STEP:
-        ok = (splits < num_splits)[:, None] & head_ok[None, :]
-        rows = (t * num_splits + splits.to(tl.int64))[:, None] * num_heads + heads.to(tl.int64)[None, :]
+        ok, rows = _fanout_rows(t, 0, splits, heads, head_ok, num_heads, num_splits)
         m_s = tl.load(ws_ml_ptr + rows * 2, mask=ok, other=float("-inf"))
         l_s = tl.load(ws_ml_ptr + rows * 2 + 1, mask=ok, other=0.0)
         a = tl.load(ws_ptr + rows[:, :, None] * DV_PAD + cols[None, None, :], mask=ok[:, :, None], other=0.0)
-        m_max = tl.max(m_s, axis=0)
-        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        m_use = _safe_max(tl.max(m_s, axis=0))
         w = tl.exp2((m_s - m_use[None, :]) * qk_scale)  # 0 for a split without candidates (m_s = -inf)
         l_i = tl.sum(l_s * w, axis=0)
         acc = tl.sum(a * w[:, :, None], axis=0)
@@ -530,18 +528,15 @@ def _fanout_steps(ws_ptr, ws_ml_ptr, t, heads, head_ok, cols, splits, num_heads,
                   BLOCK_S: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, DV_PAD: tl.constexpr):
     """The fan-out combine over more than ``BLOCK_S`` splits: the maximum in a first pass, then the
     weighted sums, ``BLOCK_S`` splits per step. Returns ``(m_use, l_i, acc)``."""
-    # [BLOCK_S, BLOCK_H] workspace rows of split s0 + s, head h
     m_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
-        ok = ((s0 + splits) < num_splits)[:, None] & head_ok[None, :]
-        rows = (t * num_splits + s0 + splits.to(tl.int64))[:, None] * num_heads + heads.to(tl.int64)[None, :]
+        ok, rows = _fanout_rows(t, s0, splits, heads, head_ok, num_heads, num_splits)
         m_max = tl.maximum(m_max, tl.max(tl.load(ws_ml_ptr + rows * 2, mask=ok, other=float("-inf")), axis=0))
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    m_use = _safe_max(m_max)
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for s0 in range(0, num_splits, BLOCK_S):
-        ok = ((s0 + splits) < num_splits)[:, None] & head_ok[None, :]
-        rows = (t * num_splits + s0 + splits.to(tl.int64))[:, None] * num_heads + heads.to(tl.int64)[None, :]
+        ok, rows = _fanout_rows(t, s0, splits, heads, head_ok, num_heads, num_splits)
         m_s = tl.load(ws_ml_ptr + rows * 2, mask=ok, other=float("-inf"))
         l_s = tl.load(ws_ml_ptr + rows * 2 + 1, mask=ok, other=0.0)
         w = tl.exp2((m_s - m_use[None, :]) * qk_scale)  # 0 for a split without candidates (m_s = -inf)
@@ -549,6 +544,21 @@ def _fanout_steps(ws_ptr, ws_ml_ptr, t, heads, head_ok, cols, splits, num_heads,
         a = tl.load(ws_ptr + rows[:, :, None] * DV_PAD + cols[None, None, :], mask=ok[:, :, None], other=0.0)
         acc += tl.sum(a * w[:, :, None], axis=0)
     return m_use, l_i, acc
+
+
+@triton.jit
+def _fanout_rows(t, s0, splits, heads, head_ok, num_heads, num_splits):
+    """``(ok, rows)``: the [BLOCK_S, BLOCK_H] workspace rows of splits ``s0 + splits`` and ``heads`` of
+    token ``t``, and which of them exist."""
+    ok = ((s0 + splits) < num_splits)[:, None] & head_ok[None, :]
+    rows = (t * num_splits + s0 + splits.to(tl.int64))[:, None] * num_heads + heads.to(tl.int64)[None, :]
+    return ok, rows
+
+
+@triton.jit
+def _safe_max(m_max):
+    """The running maximum to weigh against: 0 where no split has a candidate (every weight is then 0)."""
+    return tl.where(m_max == float("-inf"), 0.0, m_max)
 
 
 def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None, *,
