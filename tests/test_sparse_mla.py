@@ -53,6 +53,9 @@ class Spec:
     page_size: int = 16
     pool: int = 96  # filled (non-NaN) slots per cache; indices are drawn from them (duplicates happen)
     extra_page_pad: int | None = None  # default: 2 * page_pad + 3 (an odd page stride)
+    # fp8_584, when non-zero: pool rows 0 and 1 get dims 384-447 (one scale tile) of largest magnitude
+    # huge_tile and huge_tile / 3, and q is zero on those dims (the scores stay ordinary)
+    huge_tile: float = 0.0
 
     @property
     def D(self) -> int:
@@ -77,6 +80,8 @@ class Spec:
             parts.append(f"pad{self.page_pad}")
         if self.scale != 0.06:
             parts.append(f"scale{self.scale}")
+        if self.huge_tile:
+            parts.append(f"tile{self.huge_tile:g}")
         return "-".join(parts)
 
 
@@ -89,6 +94,9 @@ def _make_cache(spec: Spec, gen: torch.Generator):
     filled, poisoned = perm[: spec.pool], perm[spec.pool:]
     # Rows of very different magnitudes exercise the per-tile scales.
     values = torch.randn(spec.pool, spec.D, generator=gen) * 2.0 ** torch.randint(-2, 3, (spec.pool, 1), generator=gen)
+    if spec.huge_tile:
+        for row, amax in ((0, spec.huge_tile), (1, spec.huge_tile / 3)):
+            values[row, 384:448] *= amax / values[row, 384:448].abs().max()
     fr.fill_cache(cache, filled.tolist(), values, spec.kv_format)
     return cache, filled, poisoned
 
@@ -135,6 +143,8 @@ def make_inputs(spec: Spec, seed: int = 0, value_seed: int | None = None) -> dic
         q = torch.randn(spec.T, spec.D, spec.H, generator=gen).to(spec.dtype).transpose(1, 2)
     else:
         q = torch.randn(spec.T, spec.H, spec.D, generator=gen).to(spec.dtype)
+    if spec.huge_tile:
+        q[:, :, 384:448] = 0
     kwargs = dict(q=q, kv_cache=main[0], indices=idx, softmax_scale=spec.scale, kv_format=spec.kv_format,
                   head_dim_v=spec.head_dim_v, topk_length=lengths)
     if spec.K2:
@@ -378,6 +388,33 @@ def test_empty_batch():
     assert out.shape == (0, 16, 512) and lse.shape == (0, 16)
 
 
+def _large_tile_case(dtype, huge: float):
+    """fp8_584 tiles far from the other rows' magnitudes: two pool rows hold one 64-dim tile of largest
+    magnitude ``huge`` and ``huge / 3`` (UE8M0 tile scales far above the other rows' 2^-7 to 2^-5). The
+    query is zero on that tile, so the scores stay ordinary and only the values carry it. Returns the
+    spec, the inputs and the reference."""
+    spec = Spec(kv_format="fp8_584", T=3, H=20, K=96, K2=24, dtype=dtype, lengths=True, sink="finite",
+                huge_tile=huge, extra_page_pad=16)
+    kwargs = make_inputs(spec)
+    ref_out, ref_lse = reference(**kwargs)
+    tile, rest = ref_out[..., 384:448].abs().max(), ref_out[..., :384].abs().max()
+    assert tile > 10 * rest, (tile, rest)  # the large rows carry weight in the outputs
+    return spec, kwargs, ref_out, ref_lse
+
+
+def _assert_tile_ranges(out, lse, ref_out, ref_lse, *, tensor_cores: bool):
+    """:func:`assert_matches` on each range of output dims at its own magnitude."""
+    for dims in (slice(0, 384), slice(384, 448), slice(448, 512)):
+        assert_matches(out[..., dims], lse, ref_out[..., dims], ref_lse, tensor_cores=tensor_cores)
+
+
+def test_fp8_584_large_tile_scales():
+    """The CPU kernel with UE8M0 tile scales up to 2^18 (:func:`_large_tile_case`)."""
+    _, kwargs, ref_out, ref_lse = _large_tile_case(torch.bfloat16, 1e8)
+    out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
+    _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=False)
+
+
 def test_dequantize_torch_matches_reference():
     for kv_format in fr.FORMATS:
         kwargs = make_inputs(Spec(kv_format=kv_format, T=2, K=9, page_pad=3, bad_indices=True))
@@ -447,6 +484,16 @@ def test_triton_interpreter_softmax_scale_extremes(scale, num_splits):
     out, lse = _outputs_like(kwargs)
     mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=num_splits)
     _assert_extreme_scale(out, lse, *reference(**kwargs))
+
+
+@requires_interpreter
+def test_triton_interpreter_fp8_584_large_tile_scales():
+    """The portable kernel with large UE8M0 tile scales (:func:`_large_tile_case`), in float16, whose
+    range ends at 65504: tiles of magnitude 5e4 (scale 2^7)."""
+    _, kwargs, ref_out, ref_lse = _large_tile_case(torch.float16, 5e4)
+    out, lse = _outputs_like(kwargs)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse)
+    _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=True)
 
 
 @requires_interpreter
@@ -848,6 +895,18 @@ def test_cuda_parity(spec):
         _assert_extreme_scale(out.cpu(), lse.cpu(), *reference(**kwargs))
         return
     assert_matches(out, lse, *expected(spec, kwargs), tensor_cores=True)
+
+
+@requires_cuda
+def test_cuda_fp8_584_large_tile_scales():
+    """The kernel the launcher picks (the Hopper one on sm_90) with UE8M0 tile scales up to 2^18
+    (:func:`_large_tile_case`), with its own split plan and with one split."""
+    spec, kwargs, ref_out, ref_lse = _large_tile_case(torch.bfloat16, 1e8)
+    dev = _to_device(kwargs, "cuda")
+    for num_splits in (None, 1):
+        out, lse = _outputs_like(kwargs, "cuda")
+        mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits)
+        _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=True)
 
 
 @requires_cuda
