@@ -5,6 +5,8 @@ The host-side facts and layout checks (``FORMAT_IDS``, ``cache_dim``, ``check_kv
 ``meta_kernels/_formats.py``; this module holds the code that reads cache bytes:
 
 - ``dequantize_torch``: vectorised PyTorch, float32 rows of any slots (the CPU kernels);
+- ``e4m3_to_float32``: e4m3fn bytes to float32 in PyTorch, several times faster on CPU than the
+  dtype conversion (the CPU kernels of both attention operators);
 - ``written_slots``: the slot rule of every paged cache writer's CPU kernel (``kv_cache_insert``,
   ``gqa_kv_cache_insert``): which tokens are stored, at which page and row;
 - ``load_kv_tile`` / ``load_kv_cols`` (Triton): a ``[BLOCK_N, CHUNK]`` float32 tile of dequantised
@@ -55,6 +57,25 @@ def written_slots(slot_mapping: torch.Tensor, pages: int, page_size: int):
     return keep, slots // page_size, slots % page_size
 
 
+def e4m3_to_float32(raw: torch.Tensor) -> torch.Tensor:
+    """float32 of e4m3fn bytes ``raw`` (uint8, any shape and strides): the values of
+    ``raw.view(torch.float8_e4m3fn).to(torch.float32)``, NaN for 0x7F and 0xFF included.
+
+    Each byte, sign-extended to 16 bits and shifted left by 7, holds its sign in bit 15 (and 14) and its
+    exponent and mantissa in bits 7-13: masked to those, it is the float16 of the e4m3 value times 2^-8
+    (subnormals included, since both formats' subnormals have the exponent field 0). float16 -> float32
+    and the multiply by 2^8 are exact, and all of it is vectorised, where PyTorch's CPU conversion from
+    float8 goes one element at a time (about four times slower). The e4m3fn NaN codes come out as
+    +-480 and are put back.
+    """
+    bits = (raw.view(torch.int8).to(torch.int16) << 7) & -16512  # 0xBF80: bit 15 and bits 7-13
+    values = bits.view(torch.float16).to(torch.float32).mul_(256.0)
+    magnitudes = raw & 0x7F
+    if magnitudes.numel() and magnitudes.amax() == 0x7F:  # (a maximum is far cheaper than == and any)
+        values = values.masked_fill_(magnitudes == 0x7F, float("nan"))
+    return values
+
+
 def _page_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     """``[pages, page_size * bytes_per_token]`` uint8 view of the pages (``fp8_584`` ignores stride(1))."""
     pages, page_size, width = kv_cache.shape
@@ -67,8 +88,8 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
     """float32 ``[*slots.shape, D]``: the dequantised vectors of ``slots`` (int32/int64, any shape).
 
     Rows of invalid slots (``< 0`` or ``>= pages * page_size``) are exactly 0; nothing out of range is
-    read (invalid slots gather slot 0, whose values are then dropped by a select, so NaN bytes there
-    never leak).
+    read (invalid slots gather slot 0, whose bytes are zeroed before decoding, so NaN bytes there never
+    leak).
     """
     pages, page_size, _ = kv_cache.shape
     dim = cache_dim(kv_cache, kv_format)
@@ -79,25 +100,28 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
         return torch.zeros((*slots.shape, dim), dtype=torch.float32, device=kv_cache.device)
     safe = torch.where(valid, slots, 0).reshape(-1)
     page, row = safe // page_size, safe % page_size
+    # Whole records are gathered per slot (no per-byte index); an invalid slot's gathered bytes are zeroed
+    # before anything is decoded from them, which makes its row exactly 0.
     if kv_format == "auto":
-        vals = kv_cache[page, row].to(torch.float32)
-    elif kv_format == "fp8_656":
-        raw = kv_cache[page, row]  # [N, 656]
-        fp8 = raw[:, :512].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-        scales = raw[:, 512:528].contiguous().view(torch.float32)  # [N, 4]
-        rope = raw[:, 528:656].contiguous().view(torch.bfloat16).to(torch.float32)
-        vals = torch.cat([(fp8.view(-1, 4, 128) * scales[:, :, None]).view(-1, 512), rope], dim=1)
+        return torch.where(valid.reshape(-1, 1), kv_cache[page, row], 0).to(torch.float32).view(*slots.shape, dim)
+    keep = valid.reshape(-1, 1).to(torch.uint8)  # (a multiply: much faster than a broadcast masked_fill_)
+    n = safe.shape[0]
+    if kv_format == "fp8_656":
+        raw = kv_cache[page, row].mul_(keep)  # [N, 656]
+        groups, group, scales = 4, 128, raw[:, 512:528].view(torch.float32)  # [N, 4]
     else:
-        flat = _page_bytes(kv_cache)
-        data_cols = torch.arange(576, device=slots.device)
-        raw = flat[page[:, None], row[:, None] * 576 + data_cols]  # [N, 576]
-        exp_cols = torch.arange(7, device=slots.device)
-        exps = flat[page[:, None], page_size * 576 + row[:, None] * 8 + exp_cols].to(torch.int32)  # [N, 7]
-        scales = torch.where(exps > 0, exps << 23, 0x400000).view(torch.float32)  # 2 ** (byte - 127)
-        fp8 = raw[:, :448].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-        rope = raw[:, 448:576].contiguous().view(torch.bfloat16).to(torch.float32)
-        vals = torch.cat([(fp8.view(-1, 7, 64) * scales[:, :, None]).view(-1, 448), rope], dim=1)
-    vals = torch.where(valid.reshape(-1, 1), vals, 0.0)
+        flat = _page_bytes(kv_cache)  # [pages, page_size * 584]: data rows, then scale rows
+        raw = flat[:, :page_size * 576].view(pages, page_size, 576)[page, row].mul_(keep)  # [N, 576]
+        exps = flat[:, page_size * 576:].view(pages, page_size, 8)[page, row, :7].mul_(keep)
+        exps = exps.to(torch.int32)  # [N, 7]; 0 for an invalid slot: a finite scale (2^-127) times 0
+        groups, group, scales = 7, 64, torch.where(exps > 0, exps << 23, 0x400000).view(torch.float32)
+    # each piece converted once into its place: e4m3 values times their group's scale, then 64 bf16 values
+    width = groups * group
+    vals = torch.empty((n, dim), dtype=torch.float32, device=kv_cache.device)
+    fp8 = e4m3_to_float32(raw[:, :width]).view(n, groups, group)
+    torch.mul(fp8, scales[:, :, None], out=vals[:, :width].view(n, groups, group))
+    rope_at = width + (16 if kv_format == "fp8_656" else 0)  # fp8_656: 16 scale bytes before them
+    vals[:, width:] = raw[:, rope_at:rope_at + 128].view(torch.bfloat16)
     return vals.view(*slots.shape, dim)
 
 

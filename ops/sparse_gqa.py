@@ -48,7 +48,7 @@ from ..meta_kernels.sparse_gqa import (
     is_nvfp4,
     kv_heads,
 )
-from ._formats import e2m1_reencode_ptx, written_slots
+from ._formats import e2m1_reencode_ptx, e4m3_to_float32, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2,
                       scratch, wait_for_prior_grid)
 from ._rounding import bf16_bits, e4m3_bits, f16_bits, load_as_f32
@@ -58,8 +58,6 @@ from . import sparse_gqa_hopper as hopper
 E4M3_MAX = 448.0
 # Canonical NaN patterns written for NaN inputs (sign dropped).
 NAN_BF16, NAN_F16, NAN_E4M3 = 0x7FC0, 0x7E00, 0x7F
-# E2M1 magnitudes of the codes 0..7 (code bit 3 is the sign).
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 
 
 def scale_product(*factors: float) -> float:
@@ -90,11 +88,13 @@ def _nvfp4_slot_values(slot: torch.Tensor, page_size: int, v_order: bool) -> tor
     scale_bytes = slot[..., page_size * NVFP4_DATA_BYTES:]
     if v_order:  # scale j of token o at (o // 4) * 32 + j * 4 + o % 4
         scale_bytes = scale_bytes.unflatten(-1, (page_size // 4, NVFP4_SCALE_BYTES, 4)).transpose(-1, -2)
-    scales = scale_bytes.reshape(*slot.shape[:-1], page_size, NVFP4_SCALE_BYTES)
-    scales = scales.contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-    table = torch.tensor(E2M1_VALUES + tuple(-x for x in E2M1_VALUES), dtype=torch.float32, device=slot.device)
-    codes = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2).long()  # value 2i: low nibble of byte i
-    values = table[codes].unflatten(-1, (NVFP4_SCALE_BYTES, NVFP4_GROUP)) * scales[..., None]
+    scales = e4m3_to_float32(scale_bytes.reshape(*slot.shape[:-1], page_size, NVFP4_SCALE_BYTES))
+    codes = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)  # value 2i: low nibble of byte i
+    # Each code as the e4m3 byte of its value times 2^-6 (the sign to bit 7, the exponent and mantissa
+    # bits to bits 2-4), decoded, and the 2^6 put back with the scale: an E2M1 value has at most 2
+    # significant bits and an e4m3 scale 4, so both products are the exact ``e2m1 * scale``.
+    values = e4m3_to_float32(((codes & 8) << 4) | ((codes & 7) << 2))
+    values = values.unflatten(-1, (NVFP4_SCALE_BYTES, NVFP4_GROUP)) * (scales[..., None] * 64.0)
     return values.flatten(-2)
 
 
@@ -129,16 +129,24 @@ def sparse_gqa_decode_dense(q, kv_cache, topk_pages, block_table, kv_segment_len
 
     heads = torch.arange(num_kv_heads, device=device)[None, :, None]
     phys = phys.clamp(0, num_pages - 1)
+    # Clamped indices may point at pages holding NaN or garbage: the keys a row may not see are zeroed
+    # exactly (a select of the values, or of their bytes before decoding), never multiplied by zero.
     if nvfp4:
         # The slot's page_size x 72 block is contiguous (checked by the fake): flatten gives memory order.
         k = _nvfp4_slot_values(kv_cache[phys, 2 * heads].flatten(-2), page_size, v_order=False).flatten(2, 3)
         v = _nvfp4_slot_values(kv_cache[phys, 2 * heads + 1].flatten(-2), page_size, v_order=True).flatten(2, 3)
+        k = torch.where(key_ok[..., None], k, 0.0)
+        v = torch.where(key_ok[..., None], v, 0.0)
     else:
-        kv = kv_cache[phys, heads].flatten(2, 3).to(torch.float32)  # [T, Hkv, L, 2*Dh]
+        raw = kv_cache[phys, heads].flatten(2, 3)  # [T, Hkv, L, 2*Dh], a copy in the cache's dtype
+        # the bytes of a hidden key zeroed by an integer multiply (its value is then +0 in every format)
+        bits = raw.view(torch.uint8 if raw.element_size() == 1 else torch.int16)
+        bits = bits.mul_(key_ok[..., None].to(bits.dtype))
+        if raw.dtype == torch.float8_e4m3fn:
+            kv = e4m3_to_float32(bits)
+        else:
+            kv = bits.view(raw.dtype).to(torch.float32)
         k, v = kv[..., :head_dim], kv[..., head_dim:]
-    # ``where`` rather than a product: clamped indices may point at pages holding NaN or garbage.
-    k = torch.where(key_ok[..., None], k, 0.0)
-    v = torch.where(key_ok[..., None], v, 0.0)
 
     qf = q.to(torch.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = torch.einsum("tgid,tgld->tgil", qf, k) * scale_product(softmax_scale, q_scale, k_scale)

@@ -97,8 +97,8 @@ def sparse_mla_decode_dense(q, kv_cache, indices, softmax_scale, kv_format="auto
                             attn_sink=None, extra_kv_cache=None, extra_indices=None, extra_topk_length=None):
     """The whole operator as one PyTorch expression (gather, dequantise, softmax) in float32:
     returns float32 ``(out [T, H, head_dim_v], lse [T, H])``. The CPU kernel runs it on chunks of
-    tokens; the benchmark compiles it as the reference. The softmax follows the overflow-safe rule of
-    ``docs/sparse_mla.md``, as the Triton kernel does."""
+    tokens. The softmax follows the overflow-safe rule of ``docs/sparse_mla.md``, as the Triton kernel
+    does."""
     a, sign, s = softmax_factors(softmax_scale)
     q32 = q.to(torch.float32)
     parts = [_list_candidates_torch(q32, kv_cache, indices, topk_length, kv_format)]
@@ -106,7 +106,6 @@ def sparse_mla_decode_dense(q, kv_cache, indices, softmax_scale, kv_format="auto
         parts.append(_list_candidates_torch(q32, extra_kv_cache, extra_indices, extra_topk_length, kv_format))
     dots = torch.cat([d for d, _, _ in parts], dim=2)
     valid = torch.cat([v for _, v, _ in parts], dim=1)
-    values = torch.cat([kv[:, :, :head_dim_v] for _, _, kv in parts], dim=1)
     u = dots * sign
     u = torch.where(torch.isnan(u), -FLT_MAX, u.clamp(-FLT_MAX, FLT_MAX))
     u = u.masked_fill(~valid[:, None, :], float("-inf"))
@@ -115,7 +114,12 @@ def sparse_mla_decode_dense(q, kv_cache, indices, softmax_scale, kv_format="auto
     p = torch.exp2((u - m) * a)
     total = p.sum(dim=2)
     has = total > 0
-    out = torch.bmm(p, values) / torch.where(has, total, 1.0)[:, :, None]
+    # P V one list at a time (no concatenated copy of the values)
+    out, k0 = None, 0
+    for _, _, kv in parts:
+        o = torch.bmm(p[:, :, k0:k0 + kv.shape[1]], kv[:, :, :head_dim_v])
+        out, k0 = (o if out is None else out.add_(o)), k0 + kv.shape[1]
+    out = out / torch.where(has, total, 1.0)[:, :, None]
     lse = m[:, :, 0] * s + torch.log2(torch.where(has, total, 1.0)) * LN2
     lse = torch.where(has, lse.clamp(-FLT_MAX, FLT_MAX), float("inf"))
     if attn_sink is not None:

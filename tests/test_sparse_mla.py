@@ -19,7 +19,7 @@ from expecttest import assert_expected_inline
 import torch_sparse_mla
 from torch_sparse_mla.meta_kernels._formats import FORMAT_IDS
 from torch_sparse_mla.ops import sparse_mla as mla_ops
-from torch_sparse_mla.ops._formats import dequantize_torch, load_kv_tile
+from torch_sparse_mla.ops._formats import dequantize_torch, e4m3_to_float32, load_kv_tile
 
 from common import (assert_no_recompiles, poison, records_split_launches, requires_cuda, requires_hopper,
                     requires_interpreter, run_offline_compile)
@@ -413,6 +413,24 @@ def test_fp8_584_large_tile_scales():
     _, kwargs, ref_out, ref_lse = _large_tile_case(torch.bfloat16, 1e8)
     out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
     _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=False)
+
+
+def test_e4m3_to_float32_every_byte():
+    """The CPU kernels' e4m3fn decoder (integer and float16 operations) gives PyTorch's conversion for
+    each of the 256 bytes: the same values and signs of zero, NaN for 0x7F and 0xFF, on strided input
+    too; no NaN where none of the bytes is a NaN code."""
+    every = torch.arange(256, dtype=torch.uint8)
+    want = every.view(torch.float8_e4m3fn).to(torch.float32)
+    got = e4m3_to_float32(every)
+    assert got.dtype == torch.float32 and got.shape == (256,)
+    assert torch.equal(torch.isnan(got), torch.isnan(want)) and int(torch.isnan(got).sum()) == 2
+    finite = ~torch.isnan(want)
+    assert torch.equal(got[finite], want[finite]) and torch.equal(got[finite].signbit(), want[finite].signbit())
+    strided = torch.randint(0, 256, (9, 40), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))[:, 3:35:2]
+    want = strided.view(torch.float8_e4m3fn).to(torch.float32)
+    assert torch.equal(e4m3_to_float32(strided).nan_to_num(1.0), want.nan_to_num(1.0))
+    assert not e4m3_to_float32(every[every % 128 != 127]).isnan().any()
+    assert e4m3_to_float32(every[:0]).shape == (0,)
 
 
 def test_dequantize_torch_matches_reference():
