@@ -81,14 +81,18 @@ def scale_product(*factors: float) -> float:
 _TORCH_CHUNK_ELEMENTS = 1 << 24
 
 
-def _nvfp4_slot_values(slot: torch.Tensor, page_size: int, v_order: bool) -> torch.Tensor:
+def _nvfp4_slot_values(slot: torch.Tensor, page_size: int, v_order: bool, keep: torch.Tensor) -> torch.Tensor:
     """float32 ``[..., page_size, 128]`` of NVFP4 slots ``slot [..., page_size * 72]`` (uint8, each slot's
-    bytes in memory order): ``e2m1(code) * e4m3(scale)``, without the per-tensor scales."""
+    bytes in memory order; a copy, which this zeroes in part): ``e2m1(code) * e4m3(scale)``, without the
+    per-tensor scales, and exactly 0 for the tokens whose ``keep [..., page_size]`` (uint8) is 0: their
+    codes and scale bytes are zeroed before decoding."""
     data = slot[..., : page_size * NVFP4_DATA_BYTES].unflatten(-1, (page_size, NVFP4_DATA_BYTES))
+    data = data.mul_(keep[..., None])
     scale_bytes = slot[..., page_size * NVFP4_DATA_BYTES:]
     if v_order:  # scale j of token o at (o // 4) * 32 + j * 4 + o % 4
         scale_bytes = scale_bytes.unflatten(-1, (page_size // 4, NVFP4_SCALE_BYTES, 4)).transpose(-1, -2)
-    scales = e4m3_to_float32(scale_bytes.reshape(*slot.shape[:-1], page_size, NVFP4_SCALE_BYTES))
+    scale_bytes = scale_bytes.reshape(*slot.shape[:-1], page_size, NVFP4_SCALE_BYTES) * keep[..., None]
+    scales = e4m3_to_float32(scale_bytes)
     codes = torch.stack([data & 15, data >> 4], dim=-1).flatten(-2)  # value 2i: low nibble of byte i
     # Each code as the e4m3 byte of its value times 2^-6 (the sign to bit 7, the exponent and mantissa
     # bits to bits 2-4), decoded, and the 2^6 put back with the scale: an E2M1 value has at most 2
@@ -130,16 +134,15 @@ def sparse_gqa_decode_dense(q, kv_cache, topk_pages, block_table, kv_segment_len
     heads = torch.arange(num_kv_heads, device=device)[None, :, None]
     phys = phys.clamp(0, num_pages - 1)
     # Clamped indices may point at pages holding NaN or garbage: the keys a row may not see are zeroed
-    # exactly (a select of the values, or of their bytes before decoding), never multiplied by zero.
+    # exactly, as bytes of the gathered copy before decoding (an integer multiply; the value is then +0
+    # in every format), never as values multiplied by zero.
     if nvfp4:
         # The slot's page_size x 72 block is contiguous (checked by the fake): flatten gives memory order.
-        k = _nvfp4_slot_values(kv_cache[phys, 2 * heads].flatten(-2), page_size, v_order=False).flatten(2, 3)
-        v = _nvfp4_slot_values(kv_cache[phys, 2 * heads + 1].flatten(-2), page_size, v_order=True).flatten(2, 3)
-        k = torch.where(key_ok[..., None], k, 0.0)
-        v = torch.where(key_ok[..., None], v, 0.0)
+        keep = key_ok.unflatten(2, (n_sel, page_size)).to(torch.uint8)
+        k = _nvfp4_slot_values(kv_cache[phys, 2 * heads].flatten(-2), page_size, False, keep).flatten(2, 3)
+        v = _nvfp4_slot_values(kv_cache[phys, 2 * heads + 1].flatten(-2), page_size, True, keep).flatten(2, 3)
     else:
         raw = kv_cache[phys, heads].flatten(2, 3)  # [T, Hkv, L, 2*Dh], a copy in the cache's dtype
-        # the bytes of a hidden key zeroed by an integer multiply (its value is then +0 in every format)
         bits = raw.view(torch.uint8 if raw.element_size() == 1 else torch.int16)
         bits = bits.mul_(key_ok[..., None].to(bits.dtype))
         if raw.dtype == torch.float8_e4m3fn:
