@@ -145,11 +145,12 @@ def sparse_gqa_decode_dense(q, kv_cache, topk_pages, block_table, kv_segment_len
         raw = kv_cache[phys, heads].flatten(2, 3)  # [T, Hkv, L, 2*Dh], a copy in the cache's dtype
         bits = raw.view(torch.uint8 if raw.element_size() == 1 else torch.int16)
         bits = bits.mul_(key_ok[..., None].to(bits.dtype))
+        # K and V decoded apart, each into a contiguous float32 operand of its product
         if raw.dtype == torch.float8_e4m3fn:
-            kv = e4m3_to_float32(bits)
+            k, v = e4m3_to_float32(bits[..., :head_dim]), e4m3_to_float32(bits[..., head_dim:])
         else:
-            kv = bits.view(raw.dtype).to(torch.float32)
-        k, v = kv[..., :head_dim], kv[..., head_dim:]
+            k, v = (bits[..., half].view(raw.dtype).to(torch.float32)
+                    for half in (slice(0, head_dim), slice(head_dim, None)))
 
     qf = q.to(torch.float32).reshape(num_tokens, num_kv_heads, group, head_dim)
     scores = torch.einsum("tgid,tgld->tgil", qf, k) * scale_product(softmax_scale, q_scale, k_scale)
