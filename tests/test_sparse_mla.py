@@ -392,14 +392,14 @@ def _large_tile_case(dtype, huge: float):
     """fp8_584 tiles far from the other rows' magnitudes: two pool rows hold one 64-dim tile of largest
     magnitude ``huge`` and ``huge / 3`` (UE8M0 tile scales far above the other rows' 2^-7 to 2^-5). The
     query is zero on that tile, so the scores stay ordinary and only the values carry it. Returns the
-    spec, the inputs and the reference."""
+    inputs and the reference."""
     spec = Spec(kv_format="fp8_584", T=3, H=20, K=96, K2=24, dtype=dtype, lengths=True, sink="finite",
                 huge_tile=huge, extra_page_pad=16)
     kwargs = make_inputs(spec)
     ref_out, ref_lse = reference(**kwargs)
     tile, rest = ref_out[..., 384:448].abs().max(), ref_out[..., :384].abs().max()
     assert tile > 10 * rest, (tile, rest)  # the large rows carry weight in the outputs
-    return spec, kwargs, ref_out, ref_lse
+    return kwargs, ref_out, ref_lse
 
 
 def _assert_tile_ranges(out, lse, ref_out, ref_lse, *, tensor_cores: bool):
@@ -410,7 +410,7 @@ def _assert_tile_ranges(out, lse, ref_out, ref_lse, *, tensor_cores: bool):
 
 def test_fp8_584_large_tile_scales():
     """The CPU kernel with UE8M0 tile scales up to 2^18 (:func:`_large_tile_case`)."""
-    _, kwargs, ref_out, ref_lse = _large_tile_case(torch.bfloat16, 1e8)
+    kwargs, ref_out, ref_lse = _large_tile_case(torch.bfloat16, 1e8)
     out, lse = torch_sparse_mla.sparse_mla_decode(**kwargs)
     _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=False)
 
@@ -508,7 +508,7 @@ def test_triton_interpreter_softmax_scale_extremes(scale, num_splits):
 def test_triton_interpreter_fp8_584_large_tile_scales():
     """The portable kernel with large UE8M0 tile scales (:func:`_large_tile_case`), in float16, whose
     range ends at 65504: tiles of magnitude 5e4 (scale 2^7)."""
-    _, kwargs, ref_out, ref_lse = _large_tile_case(torch.float16, 5e4)
+    kwargs, ref_out, ref_lse = _large_tile_case(torch.float16, 5e4)
     out, lse = _outputs_like(kwargs)
     mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse)
     _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=True)
@@ -919,7 +919,7 @@ def test_cuda_parity(spec):
 def test_cuda_fp8_584_large_tile_scales():
     """The kernel the launcher picks (the Hopper one on sm_90) with UE8M0 tile scales up to 2^18
     (:func:`_large_tile_case`), with its own split plan and with one split."""
-    spec, kwargs, ref_out, ref_lse = _large_tile_case(torch.bfloat16, 1e8)
+    kwargs, ref_out, ref_lse = _large_tile_case(torch.bfloat16, 1e8)
     dev = _to_device(kwargs, "cuda")
     for num_splits in (None, 1):
         out, lse = _outputs_like(kwargs, "cuda")
