@@ -1,5 +1,6 @@
 """The runnable examples: the demo's main path at tiny sizes, the README's Usage snippet and the
-step-builder example of docs/integration.md, each run exactly as written (on a GPU when there is one)."""
+DeepSeek-V3.2 and step-builder examples of docs/integration.md, each run exactly as written (on a GPU
+when there is one)."""
 
 from __future__ import annotations
 
@@ -50,3 +51,11 @@ def test_integration_builder_example_runs(capsys):
         snippet = snippet.replace('device = "cpu"', 'device = "cuda"')
     exec(compile(snippet, "docs/integration.md (step builders)", "exec"), {})
     assert capsys.readouterr().out.strip() == "torch.Size([2, 16, 512]) [128, 128] [64, 64]"
+
+
+def test_integration_v32_example_runs(capsys):
+    snippet = _python_blocks(ROOT / "docs" / "integration.md", after="## DeepSeek-V3.2")[1]
+    if torch.cuda.is_available():
+        snippet = snippet.replace('device = "cpu"', 'device = "cuda"')
+    exec(compile(snippet, "docs/integration.md (DeepSeek-V3.2)", "exec"), {})
+    assert capsys.readouterr().out.strip() == "torch.Size([2, 16, 512]) [1000, 300]"

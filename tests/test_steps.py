@@ -4,8 +4,10 @@ Sections: builder parity (the builders' buffers hold exactly what the functional
 at fixed addresses and row strides), capacity errors, torch.compile of a whole DeepSeek-V4 and
 MiniMax-M3 step (fullgraph, one frame across batch sizes), and on a GPU: reduce-overhead without
 skipped CUDA graphs, and one manual CUDA-graph capture replayed at several batch compositions with
-padded rows. The operators themselves are checked against naive references in their own test files;
-here the steps are checked against the same steps run eagerly.
+padded rows; and a DeepSeek-V3.2 layer from the operators alone (no builder). The operators
+themselves are checked against naive references in their own test files; here the steps are checked
+against the same steps run eagerly, and the V3.2 layer against a float64 reference that finds each
+chosen position's slot by itself.
 """
 
 from __future__ import annotations
@@ -350,3 +352,102 @@ def test_manual_cuda_graph_replays_at_batch_compositions(model):
                 assert torch.equal(g_, w_), f"replay with {padded} padded requests differs from eager"
             for a, b in zip(step.buffers(), twin.buffers()):
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), "caches differ after replay"
+
+
+# =====================================================================================================
+# DeepSeek-V3.2: a decode step from the operators alone (docs/integration.md): the indexer's
+# request-local token numbers to slots with compressed_topk_to_global (block_size = the page size),
+# then sparse_mla_decode over the 656-byte FP8 cache
+# =====================================================================================================
+
+V32 = dict(page=16, heads=12, topk=24, max_model_len=160)
+V32_SCALE = 192 ** -0.5
+
+
+def make_v32_batch(num_reqs: int, seed: int, padded: int = 0):
+    """``(arguments of V32Step, the test's own slot of every (request, position))``: each request's
+    context written to the cache through its own page table (pages drawn without replacement from a
+    cache whose other bytes are 0xFF, NaN in every field), its decode token at the last position, and
+    an indexer's choice of distinct positions of its context (``-1`` past it, one ``-1`` inside a list).
+    ``padded`` trailing requests have no context and a decode token with slot -1."""
+    g = torch.Generator().manual_seed(seed)
+    page, cols = V32["page"], V32["max_model_len"] // V32["page"]
+    real = num_reqs - padded
+    seq = torch.randint(3, V32["max_model_len"] + 1, (num_reqs,), generator=g)
+    seq[real:] = 0
+    pool = num_reqs * cols + 2
+    block_table = torch.randperm(pool, generator=g)[: num_reqs * cols].view(num_reqs, cols).to(I32)
+    block_table[torch.arange(cols)[None, :] >= (seq[:, None] + page - 1) // page] = -1
+    cache = torch.full((pool, page, 656), 0xFF, dtype=torch.uint8)
+    slot_of = {}
+    for r in range(real):
+        pos = torch.arange(int(seq[r]))
+        slots = block_table[r, pos // page].to(I64) * page + pos % page
+        tsm.kv_cache_insert(torch.randn(len(pos), 576, generator=g), slots, cache, kv_format="fp8_656")
+        slot_of.update({(r, int(p)): int(s) for p, s in zip(pos, slots)})
+    local = torch.full((num_reqs, V32["topk"]), -1, dtype=I32)
+    for r in range(real):
+        chosen = torch.randperm(int(seq[r]), generator=g)[: V32["topk"]]
+        local[r, : len(chosen)] = chosen.to(I32)
+    if real:
+        local[0, 1] = -1
+    slot_mapping = torch.tensor([slot_of[(r, int(seq[r]) - 1)] if r < real else -1 for r in range(num_reqs)])
+    q = torch.randn(num_reqs, V32["heads"], 576, generator=g).to(torch.bfloat16)
+    args = (q, cache, local, torch.arange(num_reqs).to(I32), block_table, slot_mapping)
+    return args, slot_of
+
+
+class V32Step(torch.nn.Module):
+    """One DeepSeek-V3.2 layer's attention. The scale is a constant expression here, as in the other
+    steps: a float read from a global or an attribute enters a ``dynamic=True`` trace as a symbolic
+    float, which dynamo specialises in a second pass of its first analysis (two frames counted)."""
+
+    def forward(self, q, kv_cache, local_topk, token_to_req, block_table, slot_mapping):
+        indices, lens = tsm.compressed_topk_to_global(local_topk, token_to_req, block_table, slot_mapping,
+                                                      block_size=V32["page"])
+        return tsm.sparse_mla_decode(q, kv_cache, indices, softmax_scale=192 ** -0.5, kv_format="fp8_656",
+                                     topk_length=lens)
+
+
+def _v32_reference(args, slot_of):
+    """float64 attention of each token over the cache values at the positions its indexer chose, found
+    through the test's own (request, position) -> slot map, not through the library's conversion."""
+    q, cache, local, _, _, slot_mapping = args
+    out = torch.zeros(q.shape[0], q.shape[1], 512, dtype=torch.float64)
+    lse = torch.full(q.shape[:2], float("inf"), dtype=torch.float64)
+    for r in range(q.shape[0]):
+        positions = [int(p) for p in local[r] if p >= 0]
+        if slot_mapping[r] < 0 or not positions:
+            continue
+        slots = torch.tensor([slot_of[(r, p)] for p in positions])
+        keys = tsm.kv_cache_gather(cache, slots, kv_format="fp8_656", dtype=torch.float32).double()
+        scores = (q[r].double() @ keys.T) * V32_SCALE
+        lse[r] = torch.logsumexp(scores, dim=-1)
+        out[r] = torch.softmax(scores, dim=-1) @ keys[:, :512]
+    return out, lse
+
+
+def _check_v32_step(device):
+    for num_reqs, padded in ((5, 0), (4, 2)):
+        args, slot_of = make_v32_batch(num_reqs, seed=num_reqs, padded=padded)
+        out, lse = V32Step()(*(a.to(device) for a in args))
+        ref_out, ref_lse = _v32_reference(args, slot_of)
+        torch.testing.assert_close(out.cpu().double(), ref_out, atol=2e-2, rtol=2e-2)
+        torch.testing.assert_close(lse.cpu().double(), ref_lse, atol=1e-3, rtol=1e-4)
+        if padded:
+            assert (out[-padded:] == 0).all() and torch.isinf(lse[-padded:]).all()
+
+
+def test_deepseek_v32_step_matches_reference():
+    _check_v32_step("cpu")
+
+
+@requires_cuda
+def test_cuda_deepseek_v32_step_matches_reference():
+    """The kernels the launcher picks on the GPU (the few-heads Hopper kernel on sm_90, 12 heads)."""
+    _check_v32_step("cuda")
+
+
+def test_deepseek_v32_step_compiles_without_recompiles():
+    batches = [make_v32_batch(n, seed=n, padded=p)[0] for n, p in ((3, 0), (5, 1), (6, 2))]
+    assert_no_recompiles(V32Step(), batches, _check_same(V32Step()))
