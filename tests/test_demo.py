@@ -45,17 +45,20 @@ def test_readme_usage_snippet_runs(capsys):
     assert printed[1] == "[17, 17, 5, 5] [15, 16, 3, 4]"
 
 
-def test_integration_builder_example_runs(capsys):
-    snippet = _python_blocks(ROOT / "docs" / "integration.md", after="## The step builders")[0]
+def _run_integration_example(heading: str, index: int) -> None:
+    """Run the ``index``-th Python block after ``heading`` in docs/integration.md as written, on the GPU
+    when there is one (the examples set ``device = "cpu"``)."""
+    snippet = _python_blocks(ROOT / "docs" / "integration.md", after=heading)[index]
     if torch.cuda.is_available():
         snippet = snippet.replace('device = "cpu"', 'device = "cuda"')
-    exec(compile(snippet, "docs/integration.md (step builders)", "exec"), {})
+    exec(compile(snippet, f"docs/integration.md ({heading.lstrip('# ')})", "exec"), {})
+
+
+def test_integration_builder_example_runs(capsys):
+    _run_integration_example("## The step builders", 0)
     assert capsys.readouterr().out.strip() == "torch.Size([2, 16, 512]) [128, 128] [64, 64]"
 
 
 def test_integration_v32_example_runs(capsys):
-    snippet = _python_blocks(ROOT / "docs" / "integration.md", after="## DeepSeek-V3.2")[1]
-    if torch.cuda.is_available():
-        snippet = snippet.replace('device = "cpu"', 'device = "cuda"')
-    exec(compile(snippet, "docs/integration.md (DeepSeek-V3.2)", "exec"), {})
+    _run_integration_example("## DeepSeek-V3.2", 1)  # block 0 is the two-line call, not a program
     assert capsys.readouterr().out.strip() == "torch.Size([2, 16, 512]) [1000, 300]"
