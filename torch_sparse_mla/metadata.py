@@ -170,7 +170,8 @@ def compressed_topk_to_global(
     block_size: int,
     out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Map an indexer's request-local top-k compressed entries to global cache slots.
+    """Map an indexer's request-local top-k compressed entries to global cache slots (DeepSeek-V4 C4A
+    layers; with ``block_size`` = the page size, DeepSeek-V3.2's request-local token numbers).
 
     ``indices[t, j]`` is the slot of entry ``local_indices[t, j]`` through
     ``block_table[token_to_req[t]]`` (pages of ``block_size``), or -1 for an empty entry, a negative
