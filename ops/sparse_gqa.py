@@ -157,7 +157,7 @@ def sparse_gqa_decode_dense(q, kv_cache, topk_pages, block_table, kv_segment_len
     if k_scale_tensor is not None:
         scores = scores * k_scale_tensor.reshape(())
     # Saturate overflowing scores: the maximum stays finite, exp never sees inf - inf.
-    scores = scores.clamp(-FLOAT32_MAX, FLOAT32_MAX).masked_fill(~key_ok[:, :, None, :], float("-inf"))
+    scores = torch.where(key_ok[:, :, None, :], scores.clamp_(-FLOAT32_MAX, FLOAT32_MAX), float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)  # rows without keys: exp(-inf) = 0
     p = torch.exp(scores - row_max)
