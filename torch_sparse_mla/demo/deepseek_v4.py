@@ -138,7 +138,7 @@ class DeepSeekV4Step(torch.nn.Module):
     def __init__(self, cfg: Config, batch: Batch, device):
         super().__init__()
         self.cfg = cfg
-        self.meta = tsm.DeepSeekV4MetadataBuilder(
+        self.builder = tsm.DeepSeekV4MetadataBuilder(
             max_num_tokens=cfg.batch, max_model_len=cfg.max_model_len, window=cfg.window, swa_page_size=SWA_PAGE,
             compressed_page_size=COMP_PAGE, index_topk=cfg.index_topk, device=device)
         # Caches are kept as their page buffers (the whole storage is a module buffer, so compiled code
@@ -161,7 +161,7 @@ class DeepSeekV4Step(torch.nn.Module):
 
     def metadata(self, query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
                  c4_block_table, c128_block_table):
-        return self.meta(query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
+        return self.builder(query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
                          c4_block_table, c128_block_table)
 
     def write_caches(self, m: tsm.DeepSeekV4Metadata, kv, compressed_kv):
@@ -174,7 +174,7 @@ class DeepSeekV4Step(torch.nn.Module):
 
     def extra_lists(self, m: tsm.DeepSeekV4Metadata, local_topk, c4_layer: int, ratio: int):
         if ratio == 4:
-            return self.meta.c4a_indices(m, local_topk[c4_layer])
+            return self.builder.c4a_indices(m, local_topk[c4_layer])
         return m.c128a_indices, m.c128a_lens
 
     def attend(self, m: tsm.DeepSeekV4Metadata, layer: int, q, extra):
@@ -214,7 +214,7 @@ class PlainDeepSeekV4Step(DeepSeekV4Step):
         c4 = plain.compressed_slot_mapping(query_start_loc, seq_lens, c4_block_table, t, COMP_PAGE // 4, 4)
         c128 = plain.compressed_slot_mapping(query_start_loc, seq_lens, c128_block_table, t, COMP_PAGE // 128, 128)
         c128a_idx, c128a_lens = plain.c128a_topk_indices(positions, token_to_req, c128_block_table, slot_mapping, 128,
-                                                         COMP_PAGE // 128, self.meta.c128a_width)
+                                                         COMP_PAGE // 128, self.builder.c128a_width)
         return tsm.DeepSeekV4Metadata(token_to_req, slot_mapping, swa_idx, swa_lens, c4, c128, c128a_idx, c128a_lens,
                                       c4_block_table)
 

@@ -148,7 +148,7 @@ class MiniMaxM3Step(torch.nn.Module):
         super().__init__()
         self.cfg = cfg
         self.fmt = FORMATS[cfg.kv_format]
-        self.meta = tsm.MiniMaxM3MetadataBuilder(max_num_reqs=cfg.batch, max_model_len=cfg.max_model_len,
+        self.builder = tsm.MiniMaxM3MetadataBuilder(max_num_reqs=cfg.batch, max_model_len=cfg.max_model_len,
                                                  page_size=cfg.page_size, decode_query_len=cfg.query_len,
                                                  device=device)
         for layer in range(cfg.layers):  # one trailing scratch page for the plain step's padding writes
@@ -160,7 +160,7 @@ class MiniMaxM3Step(torch.nn.Module):
         return getattr(self, f"cache{layer}")
 
     def metadata(self, seq_lens, block_table):
-        return self.meta(seq_lens, block_table)
+        return self.builder(seq_lens, block_table)
 
     def write_caches(self, m, k, v):
         cfg = self.cfg
