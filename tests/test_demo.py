@@ -1,6 +1,6 @@
 """The runnable examples: the demo's main path at tiny sizes, the README's Usage snippet and the
-DeepSeek-V3.2 and step-builder examples of docs/integration.md, each run exactly as written (on a GPU
-when there is one)."""
+DeepSeek-V3.2, step-builder and export examples of docs/integration.md, each run exactly as written
+(on a GPU when there is one)."""
 
 from __future__ import annotations
 
@@ -62,3 +62,8 @@ def test_integration_builder_example_runs(capsys):
 def test_integration_v32_example_runs(capsys):
     _run_integration_example("## DeepSeek-V3.2", 1)  # block 0 is the two-line call, not a program
     assert capsys.readouterr().out.strip() == "torch.Size([2, 16, 512]) [1000, 300]"
+
+
+def test_integration_export_example_runs(capsys):
+    _run_integration_example("## torch.export and AOTInductor", 0)  # block 1 is the two-line AOTInductor call
+    assert capsys.readouterr().out.strip() == "[True, True, True]"

@@ -13,6 +13,12 @@ chosen position's slot by itself.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
 
 import pytest
 import torch
@@ -106,7 +112,7 @@ class V4Step(torch.nn.Module):
 
     def __init__(self, max_num_tokens: int, device="cpu"):
         super().__init__()
-        self.meta = tsm.DeepSeekV4MetadataBuilder(max_num_tokens=max_num_tokens, device=device, **V4)
+        self.builder = tsm.DeepSeekV4MetadataBuilder(max_num_tokens=max_num_tokens, device=device, **V4)
         self.register_buffer("swa", _v4_cache(V4["swa_page_size"], 1, device))
         self.register_buffer("c4", _v4_cache(V4["compressed_page_size"] // 4, 2, device))
         self.register_buffer("c128", _v4_cache(V4["compressed_page_size"] // 128, 3, device))
@@ -114,14 +120,14 @@ class V4Step(torch.nn.Module):
 
     def forward(self, query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
                 c4_block_table, c128_block_table, q, kv, compressed_kv, local_topk):
-        m = self.meta(query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
+        m = self.builder(query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
                       c4_block_table, c128_block_table)
         tsm.kv_cache_insert(kv, m.slot_mapping, self.swa, kv_format="fp8_584")
         tsm.kv_cache_insert(compressed_kv, m.c4_slot_mapping, self.c4, kv_format="fp8_584")
         tsm.kv_cache_insert(compressed_kv, m.c128_slot_mapping, self.c128, kv_format="fp8_584")
         common = dict(softmax_scale=DIM ** -0.5, kv_format="fp8_584", topk_length=m.swa_lens, attn_sink=self.sink)
         out_swa, _ = tsm.sparse_mla_decode(q, self.swa, m.swa_indices, **common)
-        c4_idx, c4_len = self.meta.c4a_indices(m, local_topk)
+        c4_idx, c4_len = self.builder.c4a_indices(m, local_topk)
         out_c4, _ = tsm.sparse_mla_decode(q, self.swa, m.swa_indices, extra_kv_cache=self.c4, extra_indices=c4_idx,
                                           extra_topk_length=c4_len, **common)
         out_c128, lse = tsm.sparse_mla_decode(q, self.swa, m.swa_indices, extra_kv_cache=self.c128,
@@ -167,14 +173,14 @@ class M3Step(torch.nn.Module):
 
     def __init__(self, max_num_reqs: int, device="cpu"):
         super().__init__()
-        self.meta = tsm.MiniMaxM3MetadataBuilder(max_num_reqs=max_num_reqs, max_model_len=M3["max_model_len"],
+        self.builder = tsm.MiniMaxM3MetadataBuilder(max_num_reqs=max_num_reqs, max_model_len=M3["max_model_len"],
                                                  page_size=M3["page"], decode_query_len=M3["q_len"], device=device)
         g = torch.Generator().manual_seed(4)
         cache = torch.randn(POOL, M3["hkv"], M3["page"], 2 * M3["dh"], generator=g).to(torch.float8_e4m3fn)
         self.register_buffer("cache", cache.to(device))
 
     def forward(self, seq_lens, block_table, topk_pages, q, k, v):
-        m = self.meta(seq_lens, block_table)
+        m = self.builder(seq_lens, block_table)
         tsm.gqa_kv_cache_insert(k, v, m.slot_mapping, self.cache)  # padding rows (slot -1) write nothing
         out = tsm.sparse_gqa_decode(q, self.cache, topk_pages, m.block_table, m.kv_segment_lens, m.qo_offset,
                                     decode_query_len=M3["q_len"], softmax_scale=M3["dh"] ** -0.5)
@@ -451,3 +457,143 @@ def test_cuda_deepseek_v32_step_matches_reference():
 def test_deepseek_v32_step_compiles_without_recompiles():
     batches = [make_v32_batch(n, seed=n, padded=p)[0] for n, p in ((3, 0), (5, 1), (6, 2))]
     assert_no_recompiles(V32Step(), batches, _check_same(V32Step()))
+
+
+# =====================================================================================================
+# torch.export and AOTInductor: a whole step exported once with a dynamic batch size (traced at 3
+# requests), then run at 3, 5 and 7 requests (padded ones included) as the exported program, strict
+# export's program, the functionalised program (run_decompositions), a save/load round trip, and an
+# AOTInductor package; each equal to the eager step on the same inputs, caches included
+# =====================================================================================================
+
+EXPORT_MODELS = ["deepseek_v4", "minimax_m3", "deepseek_v32"]
+EXPORT_BATCHES = ((3, 0), (5, 1), (7, 2))
+# torch 2.13's own pickling of export tree specs warns of its deprecated LeafSpec check
+quiet_treespec = pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)`:FutureWarning")
+
+
+def _export_case(model: str, device: str):
+    """``(step, eager twin, make(num_reqs, seed, padded) -> argument tuple, dynamic_shapes)``."""
+    from torch.export import Dim
+
+    n = Dim("num_reqs", min=1, max=8)
+    if model == "deepseek_v4":
+        def make(num, seed, padded):
+            return make_v4_batch(num, seed=seed, padded=padded).to(device).args()
+        shapes = ({0: n + 1},) + ({0: n},) * 11
+        return V4Step(8, device), V4Step(8, device), make, shapes
+    if model == "minimax_m3":
+        def make(num, seed, padded):
+            return make_m3_batch(num, seed=seed, padded=padded).to(device).args()
+        shapes = ({0: n}, {0: n}) + ({0: M3["q_len"] * n},) * 4
+        return M3Step(8, device), M3Step(8, device), make, shapes
+
+    def make(num, seed, padded):
+        return tuple(a.to(device) for a in make_v32_batch(num, seed=seed, padded=padded)[0])
+    shapes = ({0: n}, {0: Dim("pages", min=2, max=1 << 20)}, {0: n}, {0: n}, {0: n}, {0: n})
+    return V32Step(), V32Step(), make, shapes
+
+
+def _exported(model: str, form: str, device: str = "cpu"):
+    step, twin, make, shapes = _export_case(model, device)
+    ep = torch.export.export(step, make(3, 3, 0), dynamic_shapes=shapes, strict=form == "strict")
+    if form == "decomposed":
+        ep = ep.run_decompositions()
+    elif form == "saved":
+        import io
+
+        buffer = io.BytesIO()
+        torch.export.save(ep, buffer)
+        buffer.seek(0)
+        ep = torch.export.load(buffer)
+    return ep, twin, make
+
+
+def _check_exported_runs(run, twin, make, caches):
+    """Run the batches in order through ``run`` and the eager ``twin``: outputs equal, and the named
+    caches of ``caches`` (a module, or None) equal the twin's after each step."""
+    with torch.no_grad():
+        for num, padded in EXPORT_BATCHES:
+            args = make(num, 100 + num, padded)
+            got, want = run(*args), twin(*args)
+            for g_, w_ in zip(got, want, strict=True):
+                assert g_.shape == w_.shape and torch.equal(g_, w_), f"{num} requests ({padded} padded) differ"
+            for name, cache in twin.named_buffers():
+                if caches is not None and name in ("swa", "c4", "c128", "cache"):
+                    assert torch.equal(getattr(caches, name).view(torch.uint8), cache.view(torch.uint8)), name
+
+
+def _check_exported_step(model: str, form: str, device: str):
+    ep, twin, make = _exported(model, form, device)
+    module = ep.module()
+    _check_exported_runs(module, twin, make, module)
+
+
+@quiet_treespec
+@pytest.mark.parametrize("form", ["program", "strict", "decomposed", "saved"])
+@pytest.mark.parametrize("model", EXPORT_MODELS)
+def test_exported_step_matches_eager(model, form):
+    _check_exported_step(model, form, "cpu")
+
+
+@quiet_treespec
+@requires_cuda
+@pytest.mark.parametrize("form", ["program", "decomposed"])
+@pytest.mark.parametrize("model", EXPORT_MODELS)
+def test_cuda_exported_step_matches_eager(model, form):
+    _check_exported_step(model, form, "cuda")
+
+
+_AOTI_PROBE = """
+import sys, torch
+device, path = sys.argv[1:]
+class Twice(torch.nn.Module):
+    def forward(self, x):
+        return x * 2
+x = torch.ones(4, device=device)
+package = torch._inductor.aoti_compile_and_package(torch.export.export(Twice(), (x,)), package_path=path)
+assert torch.equal(torch._inductor.aoti_load_package(package)(x), x * 2)
+"""
+
+
+@functools.cache
+def _aoti_unavailable(device: str) -> str | None:
+    """Why AOTInductor cannot be tested here, or None. It needs a C++ compiler, and on some hosts loading
+    any package crashes the process (seen with torch 2.11 on an H200 host: a segmentation fault in
+    ``aoti_load_package`` for a one-line model too), so a trivial package is built and loaded in a
+    subprocess first."""
+    if not any(shutil.which(c) for c in ("c++", "g++", "clang++")):
+        return "AOTInductor compiles C++: needs a C++ compiler"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as tmp:
+        probe = subprocess.run([sys.executable, "-c", _AOTI_PROBE, device, os.path.join(tmp, "probe.pt2")],
+                               capture_output=True, text=True, env=env, timeout=600)
+    if probe.returncode != 0:
+        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
+        return (f"AOTInductor does not work on this host: a one-line model's package exits with "
+                f"{probe.returncode} on {device} ({last})")
+    return None
+
+
+def _check_aoti_package(model: str, device: str, tmp_path):
+    """The package's model holds its own copies of the buffers, so only outputs are compared: each step
+    attends over the tokens it has just written, so a lost cache write shows in the outputs too."""
+    if (reason := _aoti_unavailable(device)) is not None:
+        pytest.skip(reason)
+    ep, twin, make = _exported(model, "program", device)
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / f"{model}.pt2"))
+    _check_exported_runs(torch._inductor.aoti_load_package(path), twin, make, None)
+
+
+@quiet_treespec
+@pytest.mark.parametrize("model", ["deepseek_v4", "minimax_m3"])
+def test_aoti_package_matches_eager(model, tmp_path):
+    _check_aoti_package(model, "cpu", tmp_path)
+
+
+@quiet_treespec
+@requires_cuda
+@pytest.mark.parametrize("model", EXPORT_MODELS)
+def test_cuda_aoti_package_matches_eager(model, tmp_path):
+    _check_aoti_package(model, "cuda", tmp_path)
+
