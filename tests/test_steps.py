@@ -568,10 +568,13 @@ def _aoti_unavailable(device: str) -> str | None:
     with tempfile.TemporaryDirectory() as tmp:
         probe = subprocess.run([sys.executable, "-c", _AOTI_PROBE, device, os.path.join(tmp, "probe.pt2")],
                                capture_output=True, text=True, env=env, timeout=600)
-    if probe.returncode != 0:
-        last = (probe.stderr.strip().splitlines() or ["no output"])[-1]
-        return (f"AOTInductor does not work on this host: a one-line model's package exits with "
-                f"{probe.returncode} on {device} ({last})")
+    if probe.returncode < 0:
+        return (f"AOTInductor does not work on this host: building and loading a one-line model's package on "
+                f"{device} ended the process with signal {-probe.returncode}")
+    if probe.returncode > 0:
+        errors = [line for line in probe.stderr.splitlines() if "Error" in line] or ["no error message"]
+        return (f"AOTInductor does not work on this host: a one-line model's package on {device} failed: "
+                f"{errors[-1].strip()}")
     return None
 
 
