@@ -162,7 +162,7 @@ class DeepSeekV4Step(torch.nn.Module):
     def metadata(self, query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
                  c4_block_table, c128_block_table):
         return self.builder(query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
-                         c4_block_table, c128_block_table)
+                            c4_block_table, c128_block_table)
 
     def write_caches(self, m: tsm.DeepSeekV4Metadata, kv, compressed_kv):
         for layer, ratio in enumerate(self.cfg.ratios):

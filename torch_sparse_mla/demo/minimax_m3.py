@@ -149,8 +149,8 @@ class MiniMaxM3Step(torch.nn.Module):
         self.cfg = cfg
         self.fmt = FORMATS[cfg.kv_format]
         self.builder = tsm.MiniMaxM3MetadataBuilder(max_num_reqs=cfg.batch, max_model_len=cfg.max_model_len,
-                                                 page_size=cfg.page_size, decode_query_len=cfg.query_len,
-                                                 device=device)
+                                                    page_size=cfg.page_size, decode_query_len=cfg.query_len,
+                                                    device=device)
         for layer in range(cfg.layers):  # one trailing scratch page for the plain step's padding writes
             self.register_buffer(f"cache{layer}", self.fmt.make(batch.pages + 1, cfg.kv_heads, cfg.page_size,
                                                                 cfg.head_dim, device))
