@@ -16,13 +16,14 @@ whose row strides never change.
   and the slot each row's K/V is written to.
 
 Both are ``torch.nn.Module``s whose buffers are not part of the state dict. Keep one as a submodule of
-the model (or call it from a compiled function): under ``torch.compile(mode="reduce-overhead")``
-module buffers have static addresses, so writing them does not stop the CUDA graph. Everything they
-run is a registered operator of ``torch.ops.sparse_mla`` (no host synchronisation, no value-dependent
-allocation), so a builder call can sit inside the captured step or outside it. Capacities are
-checked on shapes only: a batch larger than the builder raises ``ValueError`` naming the limit.
-Values are not checked (that would need a host synchronisation): positions must stay below
-``max_model_len``. See docs/integration.md for the engine-side picture.
+the model (under any name but ``meta``: an exported program cannot restore the buffers of a submodule
+named so, docs/integration.md) or call it from a compiled function: under
+``torch.compile(mode="reduce-overhead")`` module buffers have static addresses, so writing them does
+not stop the CUDA graph. Everything they run is a registered operator of ``torch.ops.sparse_mla`` (no
+host synchronisation, no value-dependent allocation), so a builder call can sit inside the captured
+step or outside it. Capacities are checked on shapes only: a batch larger than the builder raises
+``ValueError`` naming the limit. Values are not checked (that would need a host synchronisation):
+positions must stay below ``max_model_len``. See docs/integration.md for the engine-side picture.
 """
 
 from __future__ import annotations
