@@ -684,6 +684,11 @@ ERRORS = {
     "outputs_overlap": ("c128a_topk_indices",
                         set_args(out=lambda a: (lambda bufs: (bufs[0], bufs[0][0], bufs[2]))(c128a_outputs_for(a, 8))),
                         r"decode_indices: overlaps the memory of output decode_lens"),
+    # address ranges are compared, not elements: interleaved views of one buffer are refused (operators.md)
+    "outputs_interleave": ("decode_runtime_metadata",
+                           set_args(out=lambda a: (lambda big: (big[0::2], big[1::2]))(
+                               _i32(2 * a["seq_lens"].shape[0] * a["decode_query_len"]))),
+                           r"kv_segment_lens: overlaps the memory of output qo_offset"),
     "out_aliases_query_start_loc": ("compressed_slot_mapping",
                             set_args(out=lambda a: a["query_start_loc"].view(torch.int64)[:1]
                                  if a["query_start_loc"].numel() >= 2 else None),
