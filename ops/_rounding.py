@@ -59,7 +59,7 @@ def f16_bits(x):
 @triton.jit
 def load_as_f32(ptrs, mask, IS_BF16: tl.constexpr):
     """float32 of the values at ``ptrs``; bf16 arrives as int16 bits and is widened by a shift (the
-    interpreter flushes bf16 subnormals in ``.to(float32)``)."""
+    interpreter's ``.to(float32)`` turns bf16 subnormals into wrong values)."""
     if IS_BF16:
         return (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:

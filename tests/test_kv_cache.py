@@ -452,7 +452,7 @@ def test_interpreter_gather_auto_copy(dtype, dim, gather_slots):
     tile of a power of two of dims and one of the rest; D = 4,100 is past the copy kernel's limit and
     takes the dequantising kernel): NaN patterns of every kind become the canonical NaN, infinities,
     signed zeros and subnormals keep their bits, empty slots give zeros, and the bytes equal the
-    dequantising kernel's (in the interpreter, but for the bf16 subnormal, which it flushes)."""
+    dequantising kernel's (in the interpreter, but for the bf16 subnormal, which it widens wrongly)."""
     pages, page_size = 2, 3
     cache = torch.randn(pages, page_size, dim + 5, generator=torch.Generator().manual_seed(dim)).to(dtype)
     cache = cache[:, :, 2 : 2 + dim]  # a row stride wider than D
@@ -462,7 +462,7 @@ def test_interpreter_gather_auto_copy(dtype, dim, gather_slots):
         [0x7F800001, -0x00000001, 0x7FC00123]
     copies = dim <= kernels._COPY_MAX_DIM
     specials = [float("inf"), float("-inf"), -0.0]
-    if copies or dtype != BF16:  # (the interpreter's dequantising kernel flushes bf16 subnormals)
+    if copies or dtype != BF16:  # (the interpreter's dequantising kernel widens bf16 subnormals wrongly)
         specials.append(torch.finfo(dtype).tiny / 4)
     for j, v in enumerate(nans):
         bits[0, 1, j * 7 % dim] = v - (1 << width) if v >= 1 << (width - 1) else v
@@ -483,7 +483,7 @@ def test_interpreter_gather_auto_copy(dtype, dim, gather_slots):
         kernels.kv_cache_gather_triton(cache, slots, "auto", dtype, out=other)
     finally:
         kernels.GATHER_COPY = True
-    if dtype == BF16 and copies:  # the interpreter widens bf16 with subnormals flushed (the GPU does not)
+    if dtype == BF16 and copies:  # the interpreter widens bf16 subnormals to wrong values (the GPU does not)
         other[slots == 3] = got[slots == 3]  # slot 3 = cache[1, 0] holds it
     assert torch.equal(int_bits(other), int_bits(got))
 
