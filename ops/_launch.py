@@ -225,6 +225,11 @@ def scratch(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tenso
     return buffer
 
 
+class MisalignedLaunch(Exception):
+    """A :class:`KernelLaunch` called with a tensor its kernel needs 16-byte aligned that is not; raised
+    before anything is launched."""
+
+
 class KernelLaunch:
     """One Triton kernel with a fixed grid, constexprs and compile options, ready to launch.
 
@@ -237,13 +242,21 @@ class KernelLaunch:
     made with its int16 view), which the kernel reads as the planned dtype, without the cost of a
     ``view`` per call. Without it, the tensors of ``args`` may be placeholders (``out`` standing in
     for an absent optional tensor) and every call's tensors are passed as they are.
+
+    ``aligned``: positions in ``args`` of tensors the kernel only serves 16-byte aligned (the Hopper
+    kernels' ``cp.async`` cache-row copies do not compile for a base the JIT cannot prove aligned).
+    Their launchers choose such a kernel only for aligned tensors, but a launch recorded for replay
+    (``torch_sparse_mla/_library.py``) may meet a later call's tensors of the same shapes and strides
+    at other addresses: a call with one of them unaligned raises :class:`MisalignedLaunch` before
+    launching anything, and the replay runs the launcher instead, which picks another kernel.
     """
 
-    __slots__ = ("kernel", "grid", "meta", "options", "template", "tensor_pos", "dtypes", "device", "compiled")
+    __slots__ = ("kernel", "grid", "meta", "options", "template", "tensor_pos", "dtypes", "device", "compiled",
+                 "needs")
 
     def __init__(self, kernel, grid, args: tuple, meta: dict, *, num_warps: int, num_stages: int | None = None,
                  device: torch.device, reinterpret: bool = False, maxnreg: int | None = None,
-                 launch_pdl: bool = False):
+                 launch_pdl: bool = False, aligned: tuple[int, ...] = ()):
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.meta = meta
@@ -255,6 +268,8 @@ class KernelLaunch:
         if maxnreg is not None:  # registers per thread, so that several CTAs fit on an SM
             self.options["maxnreg"] = maxnreg
         self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
+        # the alignment bits (below: one per tensor, the first tensor's the highest) that must be set
+        self.needs = sum(1 << (len(self.tensor_pos) - 1 - self.tensor_pos.index(i)) for i in set(aligned))
         self.dtypes = tuple(args[i].dtype for i in self.tensor_pos) if reinterpret else None
         template = [None if isinstance(a, torch.Tensor) else a for a in args]
         names = getattr(kernel, "arg_names", None)
@@ -274,6 +289,8 @@ class KernelLaunch:
                 recorder.append((self, tensors))
         args = self.template.copy()
         if self.device is None or not _FAST:
+            if self.needs and self._alignment(tensors) & self.needs != self.needs:
+                raise MisalignedLaunch(self.kernel.__name__)
             self._jit_launch(self._with_tensors(args, tensors))
             return
         align = 0
@@ -281,7 +298,9 @@ class KernelLaunch:
             ptr = args[i] = t.data_ptr()
             align = (align << 1) | (ptr % 16 == 0)
         entry = self.compiled.get(align)
-        if entry is None:
+        if entry is None:  # a new alignment pattern (only patterns that passed are ever stored)
+            if align & self.needs != self.needs:
+                raise MisalignedLaunch(self.kernel.__name__)
             compiled = self._jit_launch(self._with_tensors(args, tensors))
             entry = _direct_launcher(compiled)
             if entry is not None:
@@ -292,6 +311,13 @@ class KernelLaunch:
         else:
             with torch.cuda.device(self.device):
                 self._launch(entry, args)
+
+    @staticmethod
+    def _alignment(tensors) -> int:
+        align = 0
+        for t in tensors:
+            align = (align << 1) | (t.data_ptr() % 16 == 0)
+        return align
 
     def _with_tensors(self, args, tensors):
         if self.dtypes is None:
@@ -329,6 +355,6 @@ class KernelLaunch:
             return self.kernel[self.grid](*args, **self.meta, **self.options)
 
 
-__all__ = ["DEFAULT_SHARED_BYTES", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan", "PlanCache",
-           "cdiv", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block",
-           "wait_for_prior_grid"]
+__all__ = ["DEFAULT_SHARED_BYTES", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan",
+           "MisalignedLaunch", "PlanCache", "cdiv", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch",
+           "shared_memory_per_block", "wait_for_prior_grid"]

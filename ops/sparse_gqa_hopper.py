@@ -893,6 +893,11 @@ if HAS_GLUON:
 # =====================================================================================================
 
 
+# Positions of the kernel's arguments that must be 16-byte aligned: ``cache_ptr`` (the cache-row copies do
+# not compile otherwise: ``scripts/inspect_hopper.py --alignment --gqa``; :func:`supported` checks it).
+ALIGNED_ARGS = (4,)
+
+
 def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
     """Whether the Hopper kernel serves this call (else the portable kernel does): shapes, strides,
     dtypes and the cache's base address only. A float8 value cache needs its page, head and row strides
@@ -973,7 +978,8 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
     meta["NQ"] = 0 if nvfp4 else 3 if q.dtype == torch.float16 else 2
     kernel = _sparse_gqa_decode_hopper_kernel
     grid = (num_tokens * num_kv_heads * plan.head_blocks * plan.num_splits,)
-    return KernelLaunch(kernel, grid, args, meta, num_warps=4, device=q.device, maxnreg=_MAXNREG)
+    return KernelLaunch(kernel, grid, args, meta, num_warps=4, device=q.device, maxnreg=_MAXNREG,
+                        aligned=ALIGNED_ARGS)
 
 
-__all__ = ["BLOCK_N", "HAS_GLUON", "NUM_STAGES", "make_launch", "plan_launch", "supported"]
+__all__ = ["ALIGNED_ARGS", "BLOCK_N", "HAS_GLUON", "NUM_STAGES", "make_launch", "plan_launch", "supported"]

@@ -776,7 +776,8 @@ def _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_l
 
 
 def kernel_path(q, kv_cache, kv_format="auto", head_dim_v=512, extra_kv_cache=None) -> str:
-    """``"hopper"`` or ``"portable"``: the kernel :func:`sparse_mla_decode_triton` runs for these shapes."""
+    """``"hopper"`` or ``"portable"``: the kernel :func:`sparse_mla_decode_triton` runs for these arguments
+    (shapes, strides, dtypes and the caches' 16-byte alignment)."""
     return "hopper" if hopper.supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) else "portable"
 
 
@@ -801,7 +802,8 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
                                        extra_indices.stride()),
            None if extra_topk_length is None else extra_topk_length.stride(0),
            out.stride(), lse.stride(), softmax_scale, kv_format, head_dim_v, q.device, num_splits,
-           None if config is None else tuple(sorted(config.items())), path)
+           None if config is None else tuple(sorted(config.items())), path,
+           kv_cache.data_ptr() % 16 == 0, has_extra and extra_kv_cache.data_ptr() % 16 == 0)
     entry = _PLANS.get(key)
     if entry is None:
         k_total = indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)

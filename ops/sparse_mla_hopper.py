@@ -1040,8 +1040,16 @@ def _is_sm90(device: torch.device) -> bool:
     return cap == (9, 0)
 
 
+# Positions of the kernels' arguments that must be 16-byte aligned, ``cache_ptr`` and ``xcache_ptr``
+# (``ops/sparse_mla.py::_kernel_args``): the cache-row copies do not compile otherwise
+# (``scripts/inspect_hopper.py --alignment``; :func:`supported` checks them).
+ALIGNED_ARGS = (4, 15)
+
+
 def supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) -> bool:
-    """Whether the Hopper kernel serves this call (else the portable kernel does). Shapes only."""
+    """Whether the Hopper kernel serves this call (else the portable kernel does): shapes, strides and
+    the caches' 16-byte alignment (its ``cp.async`` row copies do not compile for a cache base the JIT
+    cannot prove 16-byte aligned; every other pointer may have any alignment)."""
     if not HAS_GLUON or q.device.type != "cuda" or q.dtype != torch.bfloat16 or head_dim_v != 512:
         return False
     dim = q.shape[2]
@@ -1053,7 +1061,8 @@ def supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) -> bool:
         if cache is None:
             continue
         size = cache.element_size()
-        if (cache.stride(0) * size) % 16 or (kv_format == "auto" and (cache.stride(1) * size) % 16):
+        if (cache.data_ptr() % 16 or (cache.stride(0) * size) % 16
+                or (kv_format == "auto" and (cache.stride(1) * size) % 16)):
             return False
     return _is_sm90(q.device)
 
@@ -1121,7 +1130,8 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
         kernel = _sparse_mla_decode_hopper_kernel
         meta.update(WORKER_REGS=_WORKER_REGS[kv_format])
     return KernelLaunch(kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args, meta, num_warps=4,
-                        device=q.device)
+                        device=q.device, aligned=ALIGNED_ARGS)
 
 
-__all__ = ["BLOCK_H", "HAS_GLUON", "check_plan", "few_heads_block", "make_launch", "plan_launch", "supported"]
+__all__ = ["ALIGNED_ARGS", "BLOCK_H", "HAS_GLUON", "check_plan", "few_heads_block", "make_launch", "plan_launch",
+           "supported"]

@@ -1,12 +1,14 @@
 """Compile the Hopper kernels (sparse MLA, sparse GQA) for sm_90a without a GPU and report their resources.
 
-    python scripts/inspect_hopper.py [--sass DIR] [--gqa]
+    python scripts/inspect_hopper.py [--sass DIR] [--gqa] [--alignment] [--only FORMATS]
 
 For each variant (cache format x split x extra list) prints registers (the kernel's ``.maxnreg`` and
 each partition's ``setmaxnreg``), spill bytes, shared memory and the counts of the instructions that
 matter (``HGMMA`` tensor-core ops, ``SYNCS`` mbarrier ops, 128-bit global loads, local-memory traffic).
 Uses the ``ptxas`` and ``cuobjdump`` shipped inside the triton wheel. Not a test: a tool to read what
-the compiler did before spending GPU time (``docs/sparse_mla.md`` records the figures).
+the compiler did before spending GPU time (``docs/sparse_mla.md`` records the figures). ``--alignment``
+compiles each kernel once per pointer argument with that pointer's alignment hint removed and says which
+ones the kernel cannot do without (what ``supported()`` of each kernel must check, ``ALIGNED_ARGS``).
 """
 
 from __future__ import annotations
@@ -52,17 +54,20 @@ def compile_variant(kv_format: str, split: bool, extra: bool, sink: bool = True,
     return _compile(fn, constexprs, pointer_types, ("qk_scale", "score_sign", "lse_scale"), div16, {})
 
 
+_UNALIGNED: set[str] = set()  # pointer arguments compiled without their 16-byte alignment hint (--alignment)
+
+
 def _compile(fn, constexprs: dict, pointer_types: dict, float_args, div16, options: dict):
     """Compile a Gluon kernel for sm_90a as the launcher specialises it: ``constexprs``; pointers typed
-    by ``pointer_types`` and 16-byte aligned; the ``float_args`` float32; every other argument int32, those
-    in ``div16`` multiples of 16."""
+    by ``pointer_types`` and 16-byte aligned (but those in ``_UNALIGNED``); the ``float_args`` float32;
+    every other argument int32, those in ``div16`` multiples of 16."""
     from triton.experimental import gluon
 
     names = fn.arg_names
     signature = {n: "constexpr" if n in constexprs else pointer_types.get(n, "fp32" if n in float_args else "i32")
                  for n in names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
-             if signature[n].startswith("*") or n in div16}
+             if (signature[n].startswith("*") or n in div16) and n not in _UNALIGNED}
     src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
 
@@ -200,6 +205,33 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     return line
 
 
+def alignment_report(formats, gqa: bool) -> None:
+    """For each pointer argument of a Hopper kernel: does it compile when that pointer is not known to
+    be 16-byte aligned (the JIT's specialisation of an unaligned tensor)? Its launcher must check the
+    alignment of every pointer for which it does not (``supported()``, ``ALIGNED_ARGS``). Sparse MLA (the
+    64-head and the few-heads kernel) in ``formats``, or with ``gqa`` sparse GQA (float8, NVFP4)."""
+    if gqa:
+        variants = [(f"gqa {c}", lambda c=c: compile_gqa_variant(True, "bf16", cache=c)) for c in ("fp8", "nvfp4")]
+    else:
+        variants = [(f"mla {f} heads={h}", lambda f=f, h=h: compile_variant(f, split=True, extra=True, heads=h))
+                    for f in formats for h in (64, 16)]
+    pointers = {"mla": ("q_ptr", "cache_ptr", "xcache_ptr", "idx_ptr", "xidx_ptr", "len_ptr", "xlen_ptr", "sink_ptr",
+                        "out_ptr", "lse_ptr", "ws_ptr"),
+                "gqa": ("q_ptr", "cache_ptr", "topk_ptr", "bt_ptr", "kv_lens_ptr", "qo_ptr", "k_scale_ptr",
+                        "v_scale_ptr", "out_ptr", "ws_ptr")}
+    for label, build in variants:
+        for name in pointers[label.split()[0]]:
+            _UNALIGNED.clear()
+            _UNALIGNED.add(name)
+            try:
+                build()
+                verdict = "compiles"
+            except Exception as exc:  # noqa: BLE001 - the compiler's failure is the answer
+                verdict = f"does not compile ({type(exc).__name__})"
+            print(f"{label}, {name} not 16-byte aligned: {verdict}", flush=True)
+    _UNALIGNED.clear()
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sass", help="also write each variant's SASS into this folder")
@@ -207,10 +239,16 @@ def main(argv=None) -> int:
     parser.add_argument("--heads", default="64,16,32",
                         help="comma-separated heads per CTA: 64 (the 64-head kernel), 16 and 32 (the few-heads kernel)")
     parser.add_argument("--gqa", action="store_true", help="the sparse-GQA kernel instead (split x lazy x query dtype)")
+    parser.add_argument("--alignment", action="store_true",
+                        help="which pointer arguments must be 16-byte aligned for the kernels to compile "
+                             "(sparse MLA in the --only formats, or with --gqa sparse GQA)")
     args = parser.parse_args(argv)
     if not hopper.HAS_GLUON:
         print("this triton has no usable Gluon for Hopper", file=sys.stderr)
         return 1
+    if args.alignment:
+        alignment_report(args.only.split(",") if args.only else ["fp8_656", "fp8_584", "auto"], args.gqa)
+        return 0
     if args.gqa:
         print(f"triton {triton.__version__}")
         for cache in ("fp8", "nvfp4"):

@@ -91,6 +91,17 @@ def cached_entries(impl) -> list:
     return list(seen.values())
 
 
+def forget_signatures(name: str) -> None:
+    """Empty the signature caches of operator ``name``'s CUDA implementations and public direct path, so
+    that the next call of each is a first call (its launches recorded again)."""
+    from torch_sparse_mla import _library
+
+    for impl in (_library.IMPLS[name, "CUDA"], _library.IMPLS[name + ".out", "CUDA"], _library._DIRECT[name]):
+        seen = next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, _library._Validated))
+        seen.clear()
+        seen._forget()
+
+
 def records_split_launches(impl) -> bool:
     """Whether an ``out`` implementation's cache holds a record of a split call: two launches (decode,
     combine) and one scratch buffer (the workspace) by its size."""

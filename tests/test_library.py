@@ -416,6 +416,49 @@ def test_recorded_launches(monkeypatch):
     assert calls[first][-1][1] is not ws_first  # a new buffer per replay
 
 
+@pytest.mark.parametrize("fast", [False, True], ids=["jit_path", "shortcut"])
+def test_replay_runs_the_launcher_for_an_unaligned_tensor(monkeypatch, fast):
+    """A launch whose kernel needs a tensor 16-byte aligned (the Hopper kernels' caches) raises before
+    launching when a call's tensor there is not; a replay of a record holding it reports that, and the
+    later call of the signature runs the launcher instead (which plans another kernel on the GPU)."""
+    from torch_sparse_mla.ops import metadata as metadata_ops
+
+    launched = []
+    monkeypatch.setattr(_launch, "_FAST", fast)
+    monkeypatch.setattr(_launch, "_get_device", lambda: 0)
+    monkeypatch.setattr(_launch.KernelLaunch, "_jit_launch",
+                        lambda self, args: launched.append([args[i] for i in self.tensor_pos]))
+    x = torch.zeros(1, dtype=torch.int32)
+    device = torch.device("cuda", 0) if fast else torch.device("cpu")
+    needy = _launch.KernelLaunch(metadata_ops._decode_runtime_metadata_kernel, (1,), (x, 1, x, 1, x, 1, 1, 1),
+                                 {"BLOCK": 128}, num_warps=4, device=device, aligned=(2,))
+    storage = torch.zeros(64, dtype=torch.int32)
+    aligned, other, unaligned = storage[:8], storage[16:24], storage[1:9]  # 4 bytes past an aligned tensor
+    assert aligned.data_ptr() % 16 == 0 == other.data_ptr() % 16 and unaligned.data_ptr() % 16 == 4
+    needy(unaligned, aligned, unaligned)  # only the second tensor must be aligned
+    assert len(launched) == 1
+    with pytest.raises(_launch.MisalignedLaunch):
+        needy(aligned, unaligned, aligned)
+    assert len(launched) == 1
+
+    def launcher(a, b, *, out):
+        needy(a, b, out)
+        launched.append("launcher")
+
+    out = torch.zeros(8, dtype=torch.int32)
+    record = _library._record(launcher, (aligned, other), {"out": out})
+    assert launched[-1] == "launcher" and len(launched) == 3
+    assert _library._replay(record, (other, aligned, out)) and len(launched) == 4
+    assert not _library._replay(record, (aligned, unaligned, out)) and len(launched) == 4
+    # a later call of the signature with the unaligned tensor: the launcher runs instead of the replay
+    reuse = (((8,), torch.int32),), torch.device("cpu"), record
+    _library._functional_again(lambda a, b, *, out: launched.append(("launcher", b)), ("out",), reuse,
+                               (aligned, unaligned))
+    assert launched[-1] == ("launcher", unaligned)
+    _library._functional_again(lambda a, b, *, out: launched.append("no"), ("out",), reuse, (unaligned, other))
+    assert launched[-1] != "no" and launched[-1][1] is other  # replayed: the needed tensor is aligned
+
+
 @requires_cuda
 def test_launch_shortcut_matches_triton_launch():
     """On the GPU: the second call of a planned launch takes the shortcut (when this Triton version

@@ -27,8 +27,8 @@ from expecttest import assert_expected_inline
 
 from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
-from common import (REPO, compile_counter, poison, records_split_launches, requires_cuda, requires_hopper,
-                    requires_interpreter, run_offline_compile)
+from common import (REPO, compile_counter, forget_signatures, poison, records_split_launches, requires_cuda,
+                    requires_hopper, requires_interpreter, run_offline_compile)
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 NVFP4 = "nvfp4"  # the uint8 NVFP4 cache format
@@ -1506,6 +1506,29 @@ HOPPER_CASES = [
 ]
 
 
+def test_hopper_kernel_alignment_needs():
+    """Without a GPU: the Hopper kernel compiled for sm_90a with one pointer argument at a time not
+    known to be 16-byte aligned (how the JIT specialises an unaligned tensor) fails to build exactly
+    for the arguments at ``ALIGNED_ARGS``, the ones :func:`supported` checks and a recorded launch
+    refuses unaligned (``ops/_launch.py::KernelLaunch``); every other pointer may have any alignment."""
+    import re
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from torch_sparse_mla.ops import sparse_gqa_hopper as hopper
+
+    if not hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    result = run_offline_compile("inspect_hopper.py", "--alignment", "--gqa")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    verdicts = re.findall(r"^(.+), (\w+) not 16-byte aligned: (compiles|does not compile)", result.stdout, re.M)
+    variants = {v for v, _, _ in verdicts}
+    assert len(variants) == 2 and len(verdicts) >= 20, result.stdout
+    needed = {hopper._sparse_gqa_decode_hopper_kernel.arg_names[i] for i in hopper.ALIGNED_ARGS}
+    for variant in variants:
+        failing = {name for v, name, verdict in verdicts if v == variant and verdict == "does not compile"}
+        assert failing == needed, (variant, failing, needed)
+
+
 def test_hopper_kernel_builds_for_sm90_within_limits():
     """Without a GPU: the Hopper sparse-GQA kernel (split x query dtype) compiles for sm_90a with the ptxas
     shipped in the triton wheel (``scripts/inspect_hopper.py --gqa``), at 80 registers per thread and
@@ -1782,6 +1805,27 @@ def test_cuda_hopper_is_the_default_on_sm90(kv_dtype):
     gqa_ops.sparse_gqa_decode_triton(*args.values(), out=portable, path="portable")
     assert_matches_reference(out, args)
     torch.testing.assert_close(out.float(), portable.float(), atol=2e-2, rtol=2e-2)
+
+
+@requires_hopper
+@pytest.mark.parametrize("kv_dtype", [FP8, NVFP4], ids=DTYPE_NAMES.get)
+def test_cuda_hopper_unaligned_cache_after_aligned(kv_dtype):
+    """A cache at a misaligned base after an aligned one of the same shapes and strides: the public
+    function, the registered operator and its out overload replay the launches a signature's first call
+    recorded (here the Hopper kernel's), and for the misaligned cache they run the launcher instead,
+    which takes the portable kernel."""
+    cfg = dataclasses.replace(HOPPER_CASES[0], kv_dtype=kv_dtype)
+    args, _ = make_inputs(cfg, seed=29, device="cuda")
+    unaligned, _ = make_inputs(dataclasses.replace(cfg, offset=3), seed=29, device="cuda")
+    assert unaligned["kv_cache"].stride() == args["kv_cache"].stride()
+    assert gqa_ops.kernel_path(args["q"], args["kv_cache"]) == "hopper"
+    forget_signatures("sparse_gqa_decode")  # the aligned call first, whatever tests ran before
+    for call in (args, unaligned, args, unaligned):
+        assert_matches_reference(_public(call), call)
+        assert_matches_reference(torch.ops.sparse_mla.sparse_gqa_decode(*call.values()), call)
+        buffer = _out_buffer(call)
+        torch.ops.sparse_mla.sparse_gqa_decode.out(*call.values(), out=buffer)
+        assert_matches_reference(buffer, call)
 
 
 @requires_hopper

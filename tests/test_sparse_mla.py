@@ -21,8 +21,8 @@ from torch_sparse_mla.meta_kernels._formats import FORMAT_IDS
 from torch_sparse_mla.ops import sparse_mla as mla_ops
 from torch_sparse_mla.ops._formats import dequantize_torch, e4m3_to_float32, load_kv_tile
 
-from common import (assert_no_recompiles, poison, records_split_launches, requires_cuda, requires_hopper,
-                    requires_interpreter, run_offline_compile)
+from common import (assert_no_recompiles, forget_signatures, poison, records_split_launches, requires_cuda,
+                    requires_hopper, requires_interpreter, run_offline_compile)
 import formats_reference as fr
 
 _ops = torch.ops.sparse_mla
@@ -1008,6 +1008,29 @@ _HOPPER = [Spec(kv_format=f, T=t, H=h, K=k, dim=d) for f, d in (("fp8_656", None
 ]
 
 
+def test_hopper_kernel_alignment_needs():
+    """Without a GPU: the Hopper kernel compiled for sm_90a with one pointer argument at a time not
+    known to be 16-byte aligned (how the JIT specialises an unaligned tensor) fails to build exactly
+    for the arguments at ``ALIGNED_ARGS``, the ones :func:`supported` checks and a recorded launch
+    refuses unaligned (``ops/_launch.py::KernelLaunch``); every other pointer may have any alignment."""
+    import re
+
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+
+    if not hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    result = run_offline_compile("inspect_hopper.py", "--alignment", "--only", "fp8_656")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    verdicts = re.findall(r"^(.+), (\w+) not 16-byte aligned: (compiles|does not compile)", result.stdout, re.M)
+    variants = {v for v, _, _ in verdicts}
+    assert len(variants) == 2 and len(verdicts) >= 20, result.stdout
+    needed = {hopper._sparse_mla_decode_hopper_kernel.arg_names[i] for i in hopper.ALIGNED_ARGS}
+    for variant in variants:
+        failing = {name for v, name, verdict in verdicts if v == variant and verdict == "does not compile"}
+        assert failing == needed, (variant, failing, needed)
+
+
 def test_hopper_kernel_builds_for_sm90_within_limits():
     """Without a GPU: every variant of the Hopper kernel (format x split x extra list) compiles for
     sm_90a with the ptxas shipped in the triton wheel (``scripts/inspect_hopper.py``), fits the
@@ -1180,6 +1203,41 @@ def test_cuda_hopper_is_the_default_on_sm90():
     assert_matches(out_p, lse_p, *reference(**kwargs), tensor_cores=True)
     with pytest.raises(ValueError, match="path: the Hopper kernel does not serve"):
         mla_ops.sparse_mla_decode_triton(*_positional(unaligned), out=out_h, lse=lse_h, path="hopper")
+
+
+def _unaligned_copy(cache: torch.Tensor) -> torch.Tensor:
+    """``cache`` with the same shape, strides and bytes at a base address 2 bytes past a 16-byte
+    boundary (a view at an odd offset of a wider buffer)."""
+    nbytes = cache.untyped_storage().nbytes()
+    buf = torch.zeros(nbytes + 16, dtype=torch.uint8, device=cache.device)
+    buf[2 : 2 + nbytes].copy_(torch.empty(0, dtype=torch.uint8, device=cache.device).set_(cache.untyped_storage()))
+    shifted = buf[2 : 2 + nbytes].view(cache.dtype)
+    view = shifted.as_strided(cache.shape, cache.stride(), shifted.storage_offset() + cache.storage_offset())
+    assert view.data_ptr() % 16 == 2 and torch.equal(view.view(torch.uint8), cache.view(torch.uint8))
+    return view
+
+
+@requires_hopper
+@pytest.mark.parametrize("kv_format", ["fp8_656", "auto"])
+def test_cuda_hopper_unaligned_cache_base(kv_format):
+    """A cache view whose base is not 16-byte aligned takes the portable kernel (the Hopper kernel's
+    row copies need an aligned base), also when the same shapes and strides came first with an aligned
+    cache: the public function, the registered operator and its out overload replay the launches a
+    signature's first call recorded, and for the unaligned cache they run the launcher instead."""
+    spec = Spec(kv_format=kv_format, T=3, H=64, K=192, lengths=True, sink="finite")
+    kwargs = make_inputs(spec)
+    want = reference(**kwargs)
+    dev = _to_device(kwargs, "cuda")
+    unaligned = dict(dev, kv_cache=_unaligned_copy(dev["kv_cache"]))
+    assert mla_ops.kernel_path(dev["q"], dev["kv_cache"], kv_format) == "hopper"
+    assert mla_ops.kernel_path(unaligned["q"], unaligned["kv_cache"], kv_format) == "portable"
+    forget_signatures("sparse_mla_decode")  # the aligned call first, whatever tests ran before
+    for args in (dev, unaligned, dev, unaligned):  # aligned first: its Hopper launches are recorded
+        assert_matches(*torch_sparse_mla.sparse_mla_decode(**args), *want, tensor_cores=True)
+        assert_matches(*torch.ops.sparse_mla.sparse_mla_decode(*_positional(args)), *want, tensor_cores=True)
+        out, lse = _outputs_like(kwargs, "cuda")
+        torch.ops.sparse_mla.sparse_mla_decode.out(*_positional(args), out=out, lse=lse)
+        assert_matches(out, lse, *want, tensor_cores=True)
 
 
 @requires_hopper

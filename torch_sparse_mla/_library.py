@@ -344,10 +344,8 @@ def _functional_again(kernel, names: tuple, reuse: tuple, args: tuple) -> tuple:
     launches (or the kernel)."""
     specs, device, launches = reuse
     result = tuple([torch.empty(shape, dtype=dtype, device=device) for shape, dtype in specs])
-    if launches is None:
+    if launches is None or not _replay(launches, (*args, *result)):
         kernel(*args, **dict(zip(names, result)))
-    else:
-        _replay(launches, (*args, *result))
     return result
 
 
@@ -420,10 +418,8 @@ def _out_again(kernel, layout, launches, args: tuple, outputs: dict) -> None:
     """A later call of a known signature: the overlap check, then the recorded launches (or the kernel)."""
     pool = (*args, *outputs.values())  # the overlap check's tensors and the replayed launches' own
     _check_overlap(layout, pool)
-    if launches is None:
+    if launches is None or not _replay(launches, pool):
         kernel(*args, **outputs)
-    else:
-        _replay(launches, pool)
 
 
 def _out(name: str, fake_out, kernel, on_cuda: bool):
@@ -587,12 +583,20 @@ def _record(kernel, args: tuple, outputs: dict):
     return tuple(spec[1:] for spec in scratch), tuple(plan)
 
 
-def _replay(record, pool: tuple) -> None:
+def _replay(record, pool: tuple) -> bool:
+    """The recorded launches on the tensors of ``pool``; False where a launch needs a tensor 16-byte
+    aligned that is not (``ops/_launch.py::KernelLaunch`` raises before launching it; such launches come
+    first in their records): the launcher recorded a kernel for aligned tensors, and the caller runs
+    the launcher instead, which plans another kernel for these addresses."""
     scratch, launches = record
     if scratch:
         pool = (*pool, *[torch.empty(numel, dtype=dtype, device=device) for numel, dtype, device in scratch])
-    for launch, getter in launches:
-        launch(*getter(pool))
+    try:
+        for launch, getter in launches:
+            launch(*getter(pool))
+    except _launch.MisalignedLaunch:
+        return False
+    return True
 
 
 def _lookup(seen: "_Validated", args: tuple, outputs) -> tuple:
