@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -21,6 +22,24 @@ def run_offline_compile(script: str, *args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     return subprocess.run([sys.executable, os.path.join(REPO, "scripts", script), *args], capture_output=True,
                           text=True, env=env, timeout=900)
+
+
+def check_alignment_needs(hopper, kernel, *script_args: str) -> None:
+    """``scripts/inspect_hopper.py --alignment`` over ``script_args``: a Hopper kernel compiled with one
+    pointer argument at a time not known to be 16-byte aligned must fail to build for exactly the
+    arguments at its module's ``ALIGNED_ARGS``, in each variant (two of them) the script compiles."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    if not hopper.HAS_GLUON:
+        pytest.skip("this triton has no usable Gluon for Hopper")
+    result = run_offline_compile("inspect_hopper.py", "--alignment", *script_args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    verdicts = re.findall(r"^(.+), (\w+) not 16-byte aligned: (compiles|does not compile)", result.stdout, re.M)
+    variants = {v for v, _, _ in verdicts}
+    assert len(variants) == 2 and len(verdicts) >= 20, result.stdout
+    needed = {kernel.arg_names[i] for i in hopper.ALIGNED_ARGS}
+    for variant in variants:
+        failing = {name for v, name, verdict in verdicts if v == variant and verdict == "does not compile"}
+        assert failing == needed, (variant, failing, needed)
 
 
 def set_args(**values):

@@ -27,8 +27,8 @@ from expecttest import assert_expected_inline
 
 from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
-from common import (REPO, compile_counter, forget_signatures, poison, records_split_launches, requires_cuda,
-                    requires_hopper, requires_interpreter, run_offline_compile)
+from common import (REPO, check_alignment_needs, compile_counter, forget_signatures, poison, records_split_launches,
+                    requires_cuda, requires_hopper, requires_interpreter, run_offline_compile)
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 NVFP4 = "nvfp4"  # the uint8 NVFP4 cache format
@@ -1511,22 +1511,9 @@ def test_hopper_kernel_alignment_needs():
     known to be 16-byte aligned (how the JIT specialises an unaligned tensor) fails to build exactly
     for the arguments at ``ALIGNED_ARGS``, the ones :func:`supported` checks and a recorded launch
     refuses unaligned (``ops/_launch.py::KernelLaunch``); every other pointer may have any alignment."""
-    import re
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
     from torch_sparse_mla.ops import sparse_gqa_hopper as hopper
 
-    if not hopper.HAS_GLUON:
-        pytest.skip("this triton has no usable Gluon for Hopper")
-    result = run_offline_compile("inspect_hopper.py", "--alignment", "--gqa")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    verdicts = re.findall(r"^(.+), (\w+) not 16-byte aligned: (compiles|does not compile)", result.stdout, re.M)
-    variants = {v for v, _, _ in verdicts}
-    assert len(variants) == 2 and len(verdicts) >= 20, result.stdout
-    needed = {hopper._sparse_gqa_decode_hopper_kernel.arg_names[i] for i in hopper.ALIGNED_ARGS}
-    for variant in variants:
-        failing = {name for v, name, verdict in verdicts if v == variant and verdict == "does not compile"}
-        assert failing == needed, (variant, failing, needed)
+    check_alignment_needs(hopper, hopper._sparse_gqa_decode_hopper_kernel, "--gqa")
 
 
 def test_hopper_kernel_builds_for_sm90_within_limits():

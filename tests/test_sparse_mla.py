@@ -21,8 +21,8 @@ from torch_sparse_mla.meta_kernels._formats import FORMAT_IDS
 from torch_sparse_mla.ops import sparse_mla as mla_ops
 from torch_sparse_mla.ops._formats import dequantize_torch, e4m3_to_float32, load_kv_tile
 
-from common import (assert_no_recompiles, forget_signatures, poison, records_split_launches, requires_cuda,
-                    requires_hopper, requires_interpreter, run_offline_compile)
+from common import (assert_no_recompiles, check_alignment_needs, forget_signatures, poison, records_split_launches,
+                    requires_cuda, requires_hopper, requires_interpreter, run_offline_compile)
 import formats_reference as fr
 
 _ops = torch.ops.sparse_mla
@@ -1013,22 +1013,9 @@ def test_hopper_kernel_alignment_needs():
     known to be 16-byte aligned (how the JIT specialises an unaligned tensor) fails to build exactly
     for the arguments at ``ALIGNED_ARGS``, the ones :func:`supported` checks and a recorded launch
     refuses unaligned (``ops/_launch.py::KernelLaunch``); every other pointer may have any alignment."""
-    import re
-
-    pytest.importorskip("triton.backends.nvidia.compiler")
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 
-    if not hopper.HAS_GLUON:
-        pytest.skip("this triton has no usable Gluon for Hopper")
-    result = run_offline_compile("inspect_hopper.py", "--alignment", "--only", "fp8_656")
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    verdicts = re.findall(r"^(.+), (\w+) not 16-byte aligned: (compiles|does not compile)", result.stdout, re.M)
-    variants = {v for v, _, _ in verdicts}
-    assert len(variants) == 2 and len(verdicts) >= 20, result.stdout
-    needed = {hopper._sparse_mla_decode_hopper_kernel.arg_names[i] for i in hopper.ALIGNED_ARGS}
-    for variant in variants:
-        failing = {name for v, name, verdict in verdicts if v == variant and verdict == "does not compile"}
-        assert failing == needed, (variant, failing, needed)
+    check_alignment_needs(hopper, hopper._sparse_mla_decode_hopper_kernel, "--only", "fp8_656")
 
 
 def test_hopper_kernel_builds_for_sm90_within_limits():
