@@ -272,6 +272,11 @@ def test_capacity_errors():
         m3(b3.seq_lens, b3.block_table)
     with pytest.raises(ValueError, match=r"block_table.shape\[1\]: expected at most 20"):
         m3(b3.seq_lens[:2], torch.zeros(2, M3_COLS + 1, dtype=I32))
+    # a tensor of the wrong rank: the builder's own check names it (before it reads shape[1])
+    with pytest.raises(ValueError, match=r"local_indices: expected a 2-D tensor, got shape \(3,\)"):
+        builder.c4a_indices(m, torch.zeros(3, dtype=I32))
+    with pytest.raises(ValueError, match=r"block_table: expected a 2-D tensor, got shape \(2,\)"):
+        m3(b3.seq_lens[:2], torch.zeros(2, dtype=I32))
 
 
 # =====================================================================================================

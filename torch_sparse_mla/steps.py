@@ -70,7 +70,7 @@ class DeepSeekV4Metadata(NamedTuple):
     swa_lens: torch.Tensor  #: int32 ``[T]``, used entries of ``swa_indices`` (0 for padding)
     c4_slot_mapping: torch.Tensor  #: int64 ``[T]``, ratio-4 compressed entry closed by the token, or -1
     c128_slot_mapping: torch.Tensor  #: int64 ``[T]``, ratio-128 compressed entry closed by the token, or -1
-    c128a_indices: torch.Tensor  #: int32 ``[T, max_model_len // 128]``, every completed ratio-128 entry
+    c128a_indices: torch.Tensor  #: int32 ``[T, max(max_model_len // 128, 1)]``, every completed ratio-128 entry
     c128a_lens: torch.Tensor  #: int32 ``[T]``, used entries of ``c128a_indices`` (0 for padding)
     c4_block_table: torch.Tensor  #: int32 ``[R, M4]``, the ratio-4 page table (the input)
 
@@ -86,7 +86,8 @@ class DeepSeekV4MetadataBuilder(torch.nn.Module):
 
     Args:
         max_num_tokens: capacity in tokens (rows of every per-token buffer).
-        max_model_len: longest sequence; sizes the C128A lists (``max_model_len // 128`` entries).
+        max_model_len: longest sequence; sizes the C128A lists (``max_model_len // 128`` entries, at least
+            one: below 128 tokens one column that stays ``-1``).
         window: sliding window (128 in DeepSeek-V4).
         swa_page_size: tokens per page of the sliding-window cache (64 in vLLM).
         compressed_page_size: tokens covered by one page of a compressed cache (a multiple of 128;
@@ -96,7 +97,7 @@ class DeepSeekV4MetadataBuilder(torch.nn.Module):
         device: where the buffers live.
 
     Buffers (int32 unless stated; ``N = max_num_tokens``): ``swa_idx [N, window]``, ``swa_lens [N]``,
-    int64 ``c4_slots [N]`` and ``c128_slots [N]``, ``c128a_idx [N, max_model_len // 128]``,
+    int64 ``c4_slots [N]`` and ``c128_slots [N]``, ``c128a_idx [N, max(max_model_len // 128, 1)]``,
     ``c128a_lens [N]``, ``c4a_idx [N, index_topk]``, ``c4a_lens [N]``.
     """
 
@@ -137,7 +138,9 @@ class DeepSeekV4MetadataBuilder(torch.nn.Module):
             positions: int64 ``[T]``, position of each token (``T <= max_num_tokens``).
             token_to_req: int32 ``[T]``, request of each token.
             slot_mapping: int64 ``[T]``, sliding-window cache slot of each token; ``-1`` marks a
-                padding token (empty lists, nothing written).
+                padding token (empty lists, nothing written). Padding tokens come after the last
+                request's tokens: the compressed slots are computed from ``query_start_loc`` and
+                ``seq_lens``, so a token with slot ``-1`` inside a request still gets them.
             swa_block_table: int32 ``[R, M]``, pages of the sliding-window cache.
             c4_block_table, c128_block_table: int32 ``[R, M4]`` / ``[R, M128]``, pages of the
                 ratio-4 and ratio-128 compressed caches.
@@ -178,6 +181,8 @@ class DeepSeekV4MetadataBuilder(torch.nn.Module):
             ``c4a_lens`` (row stride ``index_topk``). Every C4A layer reuses these buffers: consume
             the result (in ``sparse_mla_decode``) before the next layer's call.
         """
+        if local_indices.dim() != 2:
+            raise ValueError(f"local_indices: expected a 2-D tensor, got shape {tuple(local_indices.shape)}")
         num_tokens, k = local_indices.shape[0], local_indices.shape[1]
         _check_capacity("local_indices", num_tokens, self.max_num_tokens, "max_num_tokens")
         _check_capacity("local_indices.shape[1]", k, self.index_topk, "index_topk")
@@ -249,6 +254,8 @@ class MiniMaxM3MetadataBuilder(torch.nn.Module):
         Two operator calls (``decode_runtime_metadata``, and ``compressed_slot_mapping`` with ratio
         1 for the write slots), both ``out`` overloads; CUDA-graph safe.
         """
+        if block_table.dim() != 2:
+            raise ValueError(f"block_table: expected a 2-D tensor, got shape {tuple(block_table.shape)}")
         batch = seq_lens.shape[0]
         _check_capacity("seq_lens", batch, self.max_num_reqs, "max_num_reqs")
         _check_capacity("block_table.shape[1]", block_table.shape[1], self.max_pages,
