@@ -103,11 +103,17 @@ def poison(t: torch.Tensor) -> torch.Tensor:
     return t.fill_(-12345)
 
 
+def signature_cache(impl):
+    """The ``_Validated`` map (signature -> what later calls reuse) of an implementation of
+    ``torch_sparse_mla._library`` (registered or direct), read from its closure."""
+    from torch_sparse_mla import _library
+
+    return next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, _library._Validated))
+
+
 def cached_entries(impl) -> list:
-    """The values cached by signature in a registered implementation of ``torch_sparse_mla._library``
-    (its ``_Validated`` map, read from the closure)."""
-    seen = next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, dict))
-    return list(seen.values())
+    """The values cached by signature in a registered implementation of ``torch_sparse_mla._library``."""
+    return list(signature_cache(impl).values())
 
 
 def forget_signatures(name: str) -> None:
@@ -116,7 +122,7 @@ def forget_signatures(name: str) -> None:
     from torch_sparse_mla import _library
 
     for impl in (_library.IMPLS[name, "CUDA"], _library.IMPLS[name + ".out", "CUDA"], _library._DIRECT[name]):
-        seen = next(c.cell_contents for c in impl.__closure__ if isinstance(c.cell_contents, _library._Validated))
+        seen = signature_cache(impl)
         seen.clear()
         seen._forget()
 

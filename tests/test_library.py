@@ -13,7 +13,7 @@ import torch_sparse_mla as tsm
 from torch_sparse_mla import _library
 from torch_sparse_mla.ops import _launch
 
-from common import requires_cuda
+from common import requires_cuda, signature_cache
 
 
 @pytest.fixture
@@ -104,7 +104,7 @@ def test_recent_signatures(dispatched):
     args = swa_inputs()
     other = tuple(torch.cat([a, a]) if a.dim() == 1 else a for a in args)
     direct = _library._DIRECT["swa_indices.out"]
-    seen = next(c.cell_contents for c in direct.__closure__ if isinstance(c.cell_contents, dict))
+    seen = signature_cache(direct)
     seen.clear()  # start from an empty ring: tests run before may have left it in its backoff
     seen._forget()
     for _ in range(3):  # two signatures in turn: both stay recent, both give their own results
@@ -521,7 +521,7 @@ def test_recorded_launches_replay_on_both_paths():
     def recorded(fn, nested=False):
         """Whether a cached entry of ``fn`` holds recorded launches (the direct path of a functional
         overload keeps them inside its reuse tuple)."""
-        seen = next(c.cell_contents for c in fn.__closure__ if isinstance(c.cell_contents, dict))
+        seen = signature_cache(fn)
         records = [(e[-1][-1] if nested else e[-1]) for e in seen.values() if isinstance(e, tuple)]
         return any(record is not None and record[1] for record in records)  # (scratch sizes, launches)
 
