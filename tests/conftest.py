@@ -13,6 +13,43 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+def _mend_interpreter_scalar_index() -> bool:
+    """Triton 3.6's interpreter turns a scalar kernel argument used as a Python index (the bound of a
+    ``range`` loop) into an ``int`` with ``int(array)`` on a one-element NumPy array, which NumPy 2.4
+    refuses (a ``TypeError``; 1.25-2.3 only warn), so every interpreted kernel with such a loop fails
+    there. Triton 3.7 squeezes the array first; this gives the interpreter that conversion (on 3.7 the
+    one it has already), for the tests only. Returns whether it was applied: only under the
+    interpreter, with a NumPy that refuses the conversion and a Triton that has the function it
+    wraps."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import numpy as np
+
+    try:
+        int(np.array([1]))
+        return False  # this NumPy still converts a one-element array
+    except TypeError:
+        pass
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    patch_tensor = getattr(interpreter, "_patch_lang_tensor", None)
+    if patch_tensor is None or getattr(patch_tensor, "_tsm_mended", False):
+        return False
+
+    def patch_with_squeezed_index(tensor, scope):
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    patch_with_squeezed_index._tsm_mended = True
+    interpreter._patch_lang_tensor = patch_with_squeezed_index
+    return True
+
+
+INTERPRETER_INDEX_MENDED = _mend_interpreter_scalar_index()
+
 if os.environ.get("TSM_UNDER_SANITIZER") == "1":
     # scripts/sanitize.sh memcheck-graphs: inductor's CUDA-graph trees check after each warm-up that
     # every live block of their memory pool is a tracked output. Under compute-sanitizer that check
