@@ -765,9 +765,10 @@ if HAS_GLUON:
                                          2 * CID + (i // 2) % 2, HB, True, False, LAZY)
             _cta_barrier()  # every warp's MMAs have read the tiles before the next block overwrites them
 
-        # consumer 1's O^T goes to its V tile, unused by then
-        o_buf = vh.index(1)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
-            vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+        # consumer 1's O^T goes to its V tile, unused by then: the first 128 rows of the whole tile viewed
+        # as float32 rows of HB (a reinterpreted view must cover its source exactly since triton 3.8)
+        o_buf = vh.index(1)._reinterpret(gl.float32, [_BN * 64 // HB, HB], gl.SwizzledSharedLayout(
+            vec=1, per_phase=1, max_phase=1, order=[1, 0])).slice(0, 128)
         _merge_and_store(o, m_i, gl.sum(l_rows, axis=0), t, g, hb, split, group, num_kv_heads, num_splits,
                          v_scale, v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, o_buf,
                          ml_smem, merge_ready, 64.0, CID, HB, HAS_V_SCALE, SPLIT, 1)
