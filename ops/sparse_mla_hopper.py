@@ -55,10 +55,27 @@ import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
 from ._launch import KernelLaunch, LaunchPlan, cdiv
-from ._triton import HAS_TRITON
+from ._triton import HAS_TRITON, triton
+
+#: Triton releases whose Gluon the Hopper kernels (this module's and ``sparse_gqa_hopper``'s) are written
+#: for: each compiles them for sm_90a (``scripts/inspect_hopper.py``). Gluon is experimental and changes
+#: between releases (3.9 renamed ``_reinterpret`` and removed ``async_copy_global_to_shared``), so with
+#: any other release the portable Triton kernels serve every call instead of a compile error at the first.
+GLUON_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8))
+
+
+def gluon_version_supported(version: str) -> bool:
+    """Whether Triton ``version`` (``triton.__version__``: "3.8.0", "3.6.0+git1a2b3c") is one of
+    :data:`GLUON_TRITON_VERSIONS`."""
+    try:
+        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
+    except ValueError:
+        return False
+    return (major, minor) in GLUON_TRITON_VERSIONS
+
 
 HAS_GLUON = False
-if HAS_TRITON:
+if HAS_TRITON and gluon_version_supported(triton.__version__):
     try:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
@@ -1133,5 +1150,5 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
                         device=q.device, aligned=ALIGNED_ARGS)
 
 
-__all__ = ["ALIGNED_ARGS", "BLOCK_H", "HAS_GLUON", "check_plan", "few_heads_block", "make_launch", "plan_launch",
-           "supported"]
+__all__ = ["ALIGNED_ARGS", "BLOCK_H", "GLUON_TRITON_VERSIONS", "HAS_GLUON", "check_plan", "few_heads_block",
+           "gluon_version_supported", "make_launch", "plan_launch", "supported"]

@@ -24,13 +24,15 @@ def run_offline_compile(script: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=900)
 
 
-def check_alignment_needs(hopper, kernel, *script_args: str) -> None:
-    """``scripts/inspect_hopper.py --alignment`` over ``script_args``: a Hopper kernel compiled with one
-    pointer argument at a time not known to be 16-byte aligned must fail to build for exactly the
-    arguments at its module's ``ALIGNED_ARGS``, in each variant (two of them) the script compiles."""
+def check_alignment_needs(hopper, kernel_name: str, *script_args: str) -> None:
+    """``scripts/inspect_hopper.py --alignment`` over ``script_args``: a Hopper kernel (``kernel_name`` in
+    module ``hopper``) compiled with one pointer argument at a time not known to be 16-byte aligned must
+    fail to build for exactly the arguments at its module's ``ALIGNED_ARGS``, in each variant (two of
+    them) the script compiles."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     if not hopper.HAS_GLUON:
-        pytest.skip("this triton has no usable Gluon for Hopper")
+        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)")
+    kernel = getattr(hopper, kernel_name)
     result = run_offline_compile("inspect_hopper.py", "--alignment", *script_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     verdicts = re.findall(r"^(.+), (\w+) not 16-byte aligned: (compiles|does not compile)", result.stdout, re.M)
@@ -63,9 +65,15 @@ def requires_cuda(test):
     return pytest.mark.cuda(_skip_without_cuda(test))
 
 
+def _hopper_kernels_usable() -> bool:
+    from torch_sparse_mla.ops.sparse_mla_hopper import HAS_GLUON
+
+    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and HAS_GLUON
+
+
 _skip_without_hopper = pytest.mark.skipif(
-    not (HAS_CUDA and torch.cuda.get_device_capability() == (9, 0)),
-    reason="needs an sm_90 GPU (the Hopper kernel)",
+    not _hopper_kernels_usable(),
+    reason="needs an sm_90 GPU and a Triton the Hopper kernels are written for (GLUON_TRITON_VERSIONS)",
 )
 
 

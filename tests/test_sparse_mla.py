@@ -686,7 +686,7 @@ def test_hopper_launch_picks_kernel(kv_format, heads, config, kernel):
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 
     if not hopper.HAS_GLUON:
-        pytest.skip("this triton has no usable Gluon for Hopper")
+        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)")
     spec = Spec(kv_format=kv_format, T=3, H=heads, K=200, K2=48 if kv_format == "fp8_584" else 0, lengths=True,
                 sink="finite", page_pad=32, extra_page_pad=16)
     kwargs = make_inputs(spec)
@@ -1015,7 +1015,7 @@ def test_hopper_kernel_alignment_needs():
     refuses unaligned (``ops/_launch.py::KernelLaunch``); every other pointer may have any alignment."""
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 
-    check_alignment_needs(hopper, hopper._sparse_mla_decode_hopper_kernel, "--only", "fp8_656")
+    check_alignment_needs(hopper, "_sparse_mla_decode_hopper_kernel", "--only", "fp8_656")
 
 
 def test_hopper_kernel_builds_for_sm90_within_limits():
@@ -1031,7 +1031,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
     from torch_sparse_mla.ops import sparse_mla_hopper
     from torch_sparse_mla.ops._launch import DEFAULT_SHARED_BYTES
     if not sparse_mla_hopper.HAS_GLUON:
-        pytest.skip("this triton has no usable Gluon for Hopper")
+        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)")
     result = run_offline_compile("inspect_hopper.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if " split=" in line]
@@ -1053,6 +1053,23 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         loops = [int(n) for n in re.search(r"loops=([\d,]+)", row).group(1).split(",")]
         assert len(loops) == (3 if " heads=64 " in row else 2), row
         assert max(loops) <= 1250, row
+
+
+def test_hopper_kernels_only_with_the_triton_releases_they_are_written_for():
+    """The Hopper kernels (sparse MLA and sparse GQA) are enabled only with the Triton releases whose
+    Gluon they are written for: Gluon changes between releases (3.9 renamed ``_reinterpret`` and
+    removed ``async_copy_global_to_shared``), and any other release takes the portable kernels instead
+    of failing to compile at the first call."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper
+    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+    from torch_sparse_mla.ops._triton import HAS_TRITON, triton
+
+    ok = hopper.gluon_version_supported
+    assert ok("3.6.0") and ok("3.7.1") and ok("3.8.0") and ok("3.6.0+git1a2b3c4")
+    assert not any(ok(v) for v in ("3.5.1", "3.9.0", "3.10.0", "4.0.0", "nightly", ""))
+    assert sparse_gqa_hopper.HAS_GLUON is hopper.HAS_GLUON
+    if not (HAS_TRITON and ok(triton.__version__)):
+        assert not hopper.HAS_GLUON
 
 
 @requires_hopper
