@@ -244,7 +244,8 @@ def main(argv=None) -> int:
                              "(sparse MLA in the --only formats, or with --gqa sparse GQA)")
     args = parser.parse_args(argv)
     if not hopper.HAS_GLUON:
-        print("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)", file=sys.stderr)
+        print("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)",
+              file=sys.stderr)
         return 1
     if args.alignment:
         alignment_report(args.only.split(",") if args.only else ["fp8_656", "fp8_584", "auto"], args.gqa)

@@ -24,14 +24,20 @@ def run_offline_compile(script: str, *args: str) -> subprocess.CompletedProcess:
                           text=True, env=env, timeout=900)
 
 
+def require_gluon(hopper) -> None:
+    """Skip a test of a Hopper kernel's build where module ``hopper`` has none with this Triton."""
+    if not hopper.HAS_GLUON:
+        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable "
+                    "Gluon)")
+
+
 def check_alignment_needs(hopper, kernel_name: str, *script_args: str) -> None:
     """``scripts/inspect_hopper.py --alignment`` over ``script_args``: a Hopper kernel (``kernel_name`` in
     module ``hopper``) compiled with one pointer argument at a time not known to be 16-byte aligned must
     fail to build for exactly the arguments at its module's ``ALIGNED_ARGS``, in each variant (two of
     them) the script compiles."""
     pytest.importorskip("triton.backends.nvidia.compiler")
-    if not hopper.HAS_GLUON:
-        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)")
+    require_gluon(hopper)
     kernel = getattr(hopper, kernel_name)
     result = run_offline_compile("inspect_hopper.py", "--alignment", *script_args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

@@ -48,7 +48,7 @@ def _mend_interpreter_scalar_index() -> bool:
     return True
 
 
-INTERPRETER_INDEX_MENDED = _mend_interpreter_scalar_index()
+_mend_interpreter_scalar_index()
 
 if os.environ.get("TSM_UNDER_SANITIZER") == "1":
     # scripts/sanitize.sh memcheck-graphs: inductor's CUDA-graph trees check after each warm-up that

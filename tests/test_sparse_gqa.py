@@ -28,7 +28,7 @@ from expecttest import assert_expected_inline
 from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
 from common import (REPO, check_alignment_needs, compile_counter, forget_signatures, poison, records_split_launches,
-                    requires_cuda, requires_hopper, requires_interpreter, run_offline_compile)
+                    require_gluon, requires_cuda, requires_hopper, requires_interpreter, run_offline_compile)
 
 BF16, FP16, FP32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn
 NVFP4 = "nvfp4"  # the uint8 NVFP4 cache format
@@ -1530,8 +1530,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
     pytest.importorskip("triton.backends.nvidia.compiler")
     from torch_sparse_mla.ops import sparse_gqa_hopper
 
-    if not sparse_gqa_hopper.HAS_GLUON:
-        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)")
+    require_gluon(sparse_gqa_hopper)
     result = run_offline_compile("inspect_hopper.py", "--gqa")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if " split=" in line]
@@ -1579,8 +1578,7 @@ def test_racecheck_probe_builds_for_sm90():
     pytest.importorskip("triton.backends.nvidia.compiler")
     from torch_sparse_mla.ops import sparse_gqa_hopper
 
-    if not sparse_gqa_hopper.HAS_GLUON:
-        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)")
+    require_gluon(sparse_gqa_hopper)
     result = run_offline_compile("racecheck_probe.py", "--compile")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert result.stdout.count("arrives") == 18, result.stdout

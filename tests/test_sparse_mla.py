@@ -22,7 +22,7 @@ from torch_sparse_mla.ops import sparse_mla as mla_ops
 from torch_sparse_mla.ops._formats import dequantize_torch, e4m3_to_float32, load_kv_tile
 
 from common import (assert_no_recompiles, check_alignment_needs, forget_signatures, poison, records_split_launches,
-                    requires_cuda, requires_hopper, requires_interpreter, run_offline_compile)
+                    require_gluon, requires_cuda, requires_hopper, requires_interpreter, run_offline_compile)
 import formats_reference as fr
 
 _ops = torch.ops.sparse_mla
@@ -685,8 +685,7 @@ def test_hopper_launch_picks_kernel(kv_format, heads, config, kernel):
     constexprs are exactly that kernel's parameters (``KernelLaunch`` checks them when it is built)."""
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper
 
-    if not hopper.HAS_GLUON:
-        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)")
+    require_gluon(hopper)
     spec = Spec(kv_format=kv_format, T=3, H=heads, K=200, K2=48 if kv_format == "fp8_584" else 0, lengths=True,
                 sink="finite", page_pad=32, extra_page_pad=16)
     kwargs = make_inputs(spec)
@@ -1030,8 +1029,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
     pytest.importorskip("triton.backends.nvidia.compiler")
     from torch_sparse_mla.ops import sparse_mla_hopper
     from torch_sparse_mla.ops._launch import DEFAULT_SHARED_BYTES
-    if not sparse_mla_hopper.HAS_GLUON:
-        pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable Gluon)")
+    require_gluon(sparse_mla_hopper)
     result = run_offline_compile("inspect_hopper.py")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = [line for line in result.stdout.splitlines() if " split=" in line]
