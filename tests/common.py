@@ -25,7 +25,7 @@ def run_offline_compile(script: str, *args: str) -> subprocess.CompletedProcess:
 
 
 def require_gluon(hopper) -> None:
-    """Skip a test of a Hopper kernel's build where module ``hopper`` has none with this Triton."""
+    """Skip a test of a Hopper kernel's build or code where module ``hopper`` has none with this Triton."""
     if not hopper.HAS_GLUON:
         pytest.skip("no Hopper kernels with this triton (a release outside GLUON_TRITON_VERSIONS, or no usable "
                     "Gluon)")

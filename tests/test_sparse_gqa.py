@@ -980,8 +980,7 @@ def test_nvfp4_hopper_decoder_ptx():
     high nibble as E2M1 * scale * 2**-6 (the GPU tests run the real thing)."""
     from torch_sparse_mla.ops import sparse_gqa_hopper
 
-    if not sparse_gqa_hopper.HAS_GLUON:
-        pytest.skip("this Triton has no Gluon: the Hopper kernel is not built")
+    require_gluon(sparse_gqa_hopper)
     asm = sparse_gqa_hopper._FP4X16_TO_F16.value
     scales = (0x00, 0x01, 0x07, 0x08, 0x38, 0x3F, 0x7E)
     for byte in range(256):
