@@ -47,7 +47,7 @@ import threading
 
 import torch
 
-from ._triton import HAS_TRITON, tl, triton
+from ._triton import HAS_TRITON, release, tl, triton
 
 if HAS_TRITON:
     from triton.runtime.errors import OutOfResources
@@ -155,8 +155,8 @@ def _fast_launch_abi() -> tuple[int, int] | None:
         return None
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
-    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
-    return (major, minor) if (major, minor) in ((3, 6), (3, 7)) else None
+    version = release(triton.__version__)
+    return version if version in ((3, 6), (3, 7)) else None
 
 
 _ABI = _fast_launch_abi()

@@ -55,7 +55,7 @@ import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
 from ._launch import KernelLaunch, LaunchPlan, cdiv
-from ._triton import HAS_TRITON, triton
+from ._triton import HAS_TRITON, release, triton
 
 #: Triton releases whose Gluon the Hopper kernels (this module's and ``sparse_gqa_hopper``'s) are written
 #: for: each compiles them for sm_90a (``scripts/inspect_hopper.py``). Gluon is experimental and changes
@@ -67,11 +67,7 @@ GLUON_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8))
 def gluon_version_supported(version: str) -> bool:
     """Whether Triton ``version`` (``triton.__version__``: "3.8.0", "3.6.0+git1a2b3c") is one of
     :data:`GLUON_TRITON_VERSIONS`."""
-    try:
-        major, minor = (int(x) for x in version.split("+")[0].split(".")[:2])
-    except ValueError:
-        return False
-    return (major, minor) in GLUON_TRITON_VERSIONS
+    return release(version) in GLUON_TRITON_VERSIONS
 
 
 HAS_GLUON = False
