@@ -20,11 +20,12 @@ One set of conventions for all of them (metadata, KV cache, sparse MLA, sparse G
   addresses: Triton's launcher otherwise calls ``data_ptr()`` again and asks the driver to validate
   every pointer (``cuPointerGetAttribute``), one driver call per tensor argument. (The launchers only
   ever run on CUDA tensors that the operator's checks have already accepted.) The shortcut relies on
-  the launch-function conventions of the Triton versions the library is tested with (3.6 and 3.7);
-  with any other version, for a kernel that needs Triton-allocated scratch memory, under the Triton
-  interpreter, or with ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the
-  normal path. Triton's launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as
-  proton) are not called on the shortcut; set that variable while profiling with them.
+  the launch-function conventions of the Triton versions the library is tested with (3.6, 3.7 and
+  3.8, whose convention is 3.7's); with any other version, for a kernel that needs Triton-allocated
+  scratch memory or carries Triton's sanitizer instrumentation, under the Triton interpreter, or with
+  ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the normal path. Triton's
+  launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as proton) are not
+  called on the shortcut; set that variable while profiling with them.
 - **One offset rule.** Triton passes a Python int that fits in 32 bits as an ``i32`` (and the value 1 as
   the constexpr 1), so a product of two kernel arguments, or of an argument and a 32-bit index, wraps
   past 2**31. Every kernel therefore widens, at its top, every stride and every size that enters an
@@ -149,6 +150,13 @@ class PlanCache(dict):
         return plan
 
 
+# Triton releases whose launch-function convention the shortcut knows. 3.8's C launch function takes
+# the arguments of 3.7's (the same parse format and argument extraction); its Python wrapper differs
+# only where it appends the sanitizer's state pointer (``gsan_enabled``), which the shortcut leaves to
+# the wrapper.
+_FAST_LAUNCH_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8))
+
+
 def _fast_launch_abi() -> tuple[int, int] | None:
     """The Triton version whose launch-function convention the shortcut uses, or None (no shortcut)."""
     if not HAS_TRITON or os.environ.get("TORCH_SPARSE_MLA_JIT_LAUNCH") == "1":
@@ -156,7 +164,7 @@ def _fast_launch_abi() -> tuple[int, int] | None:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return None
     version = release(triton.__version__)
-    return version if version in ((3, 6), (3, 7)) else None
+    return version if version in _FAST_LAUNCH_TRITON_VERSIONS else None
 
 
 _ABI = _fast_launch_abi()
@@ -181,10 +189,12 @@ def _direct_launcher(compiled):
         return wrapper
     if type(launch).__name__ != "builtin_function_or_method":  # wrapped (tensor descriptors)
         return wrapper
+    if getattr(run, "gsan_enabled", False):  # 3.8: the wrapper appends the sanitizer's state pointer
+        return wrapper
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
     if _ABI == (3, 6):
         return launch, (compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None), None
-    if _ABI == (3, 7):
+    if _ABI in ((3, 7), (3, 8)):
         return (launch, (compiled.function, coop, pdl, compiled.packed_metadata, None, None, None, None, None),
                 (run.arg_annotations, run.kernel_signature))
     return wrapper

@@ -4,6 +4,8 @@ launch path (``ops/_launch.py``)."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -12,6 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import torch_sparse_mla as tsm
 from torch_sparse_mla import _library
 from torch_sparse_mla.ops import _launch
+from torch_sparse_mla.ops._triton import release
 
 from common import requires_cuda, signature_cache
 
@@ -291,9 +294,15 @@ def test_direct_launcher_conventions(monkeypatch):
     launch, head, tail = _launch._direct_launcher(_FakeCompiled())
     assert launch is len and tail is None
     assert head == (1234, False, False, None, None, (4, 1, 0), None, None, None)
-    monkeypatch.setattr(_launch, "_ABI", (3, 7))
-    launch, head, tail = _launch._direct_launcher(_FakeCompiled())
-    assert head == (1234, False, False, (4, 1, 0), None, None, None, None, None) and tail == ("ann", b"sig")
+    for abi in ((3, 7), (3, 8)):  # 3.8's launch function takes 3.7's arguments
+        monkeypatch.setattr(_launch, "_ABI", abi)
+        launch, head, tail = _launch._direct_launcher(_FakeCompiled())
+        assert launch is len
+        assert head == (1234, False, False, (4, 1, 0), None, None, None, None, None) and tail == ("ann", b"sig")
+    # 3.8's wrapper appends the sanitizer's state pointer to the arguments of an instrumented kernel
+    compiled = _FakeCompiled()
+    compiled.run = type("R", (_FakeRun,), {"gsan_enabled": True})()
+    assert _launch._direct_launcher(compiled) == (compiled.run, (1234, (4, 1, 0), None, None, None), None)
     # a kernel that needs Triton to allocate scratch memory, or a wrapped launch function, keeps Triton's
     # launcher wrapper (CompiledKernel.run), still without the JIT's argument binding
     compiled = _FakeCompiled()
@@ -304,6 +313,66 @@ def test_direct_launcher_conventions(monkeypatch):
     monkeypatch.setattr(_launch, "_ABI", None)
     assert _launch._direct_launcher(compiled)[0] is compiled.run
     assert _launch._direct_launcher(object()) is None
+
+
+_WRAPPER_LAUNCH_CALLS = {
+    # Triton's launcher wrapper (CudaLauncher.__call__) per release: its parameters and its call of the C
+    # launch function, whose arguments _direct_launcher reproduces (3.6: head and the kernel's arguments;
+    # 3.7, 3.8: head, tail and the argument list)
+    (3, 6): ("def __call__(self, gridX, gridY, gridZ, stream, function, *args)",
+             "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+             "global_scratch, profile_scratch, *args)"),
+    (3, 7): ("def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, "
+             "launch_enter_hook, launch_exit_hook, *args)",
+             "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+             "kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, global_scratch, "
+             "profile_scratch, self.arg_annotations, self.kernel_signature, args)"),
+    (3, 8): ("def __call__(self, gridX, gridY, gridZ, stream, function, kernel_metadata, launch_metadata, "
+             "launch_enter_hook, launch_exit_hook, *args)",
+             "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
+             "kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, global_scratch, "
+             "profile_scratch, self.arg_annotations, self.kernel_signature, kernel_args)"),
+}
+
+
+def test_launch_shortcut_versions(monkeypatch):
+    monkeypatch.delenv("TORCH_SPARSE_MLA_JIT_LAUNCH", raising=False)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    if not _launch.HAS_TRITON:
+        pytest.skip("needs triton")
+    for version, abi in (("3.6.0", (3, 6)), ("3.7.1", (3, 7)), ("3.8.0", (3, 8)), ("3.8.1+gitabc", (3, 8)),
+                         ("3.9.0", None), ("3.5.1", None), ("4.0.0", None), ("main", None)):
+        monkeypatch.setattr(_launch.triton, "__version__", version)
+        assert _launch._fast_launch_abi() == abi, version
+    monkeypatch.setattr(_launch.triton, "__version__", "3.8.0")
+    monkeypatch.setenv("TORCH_SPARSE_MLA_JIT_LAUNCH", "1")
+    assert _launch._fast_launch_abi() is None
+    assert set(_WRAPPER_LAUNCH_CALLS) == set(_launch._FAST_LAUNCH_TRITON_VERSIONS)
+
+
+def test_launch_shortcut_matches_the_installed_triton():
+    """The installed Triton's launcher wrapper still calls its C launch function the way the shortcut
+    does (read from its source, so that a release that changes the convention fails here, on any
+    machine, rather than at a GPU launch)."""
+    import inspect
+    import re
+
+    if not _launch.HAS_TRITON:
+        pytest.skip("needs triton")
+    abi = release(_launch.triton.__version__)
+    if abi not in _WRAPPER_LAUNCH_CALLS:
+        pytest.skip(f"triton {_launch.triton.__version__}: the shortcut is off (normal launches)")
+    from triton.backends.nvidia import driver
+
+    source = re.sub(r"\s+", " ", inspect.getsource(driver.CudaLauncher.__call__))
+    signature, call = _WRAPPER_LAUNCH_CALLS[abi]
+    assert signature in source
+    assert call in source
+    if abi == (3, 8):  # the list passed is the kernel's arguments unless the sanitizer is on
+        assert re.search(r"kernel_args = args if self\.gsan_enabled: .*kernel_args = \(\*args, \w+\)", source)
+    if abi != (3, 6):  # the C launch function's argument format (3.6 generates its launcher per kernel)
+        c_source = open(os.path.join(os.path.dirname(driver.__file__), "driver.c")).read()
+        assert 'PyArg_ParseTuple(args, "iiiKKpp(iii)OOOOOOy*O"' in c_source
 
 
 def test_launch_shortcut_call_form(monkeypatch):
