@@ -20,8 +20,8 @@ One set of conventions for all of them (metadata, KV cache, sparse MLA, sparse G
   addresses: Triton's launcher otherwise calls ``data_ptr()`` again and asks the driver to validate
   every pointer (``cuPointerGetAttribute``), one driver call per tensor argument. (The launchers only
   ever run on CUDA tensors that the operator's checks have already accepted.) The shortcut relies on
-  the launch-function conventions of the Triton versions the library is tested with (3.6, 3.7 and
-  3.8, whose convention is 3.7's); with any other version, for a kernel that needs Triton-allocated
+  the launch-function conventions of the Triton versions the library is tested with (3.6 to 3.9;
+  3.8 and 3.9 have 3.7's); with any other version, for a kernel that needs Triton-allocated
   scratch memory or carries Triton's sanitizer instrumentation, under the Triton interpreter, or with
   ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the normal path. Triton's
   launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as proton) are not
@@ -150,11 +150,11 @@ class PlanCache(dict):
         return plan
 
 
-# Triton releases whose launch-function convention the shortcut knows. 3.8's C launch function takes
-# the arguments of 3.7's (the same parse format and argument extraction); its Python wrapper differs
-# only where it appends the sanitizer's state pointer (``gsan_enabled``), which the shortcut leaves to
-# the wrapper.
-_FAST_LAUNCH_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8))
+# Triton releases whose launch-function convention the shortcut knows. The C launch functions of 3.8
+# and 3.9 take the arguments of 3.7's (the same parse format and argument extraction); their Python
+# wrapper differs only where it appends the sanitizer's state pointer (``gsan_enabled``), which the
+# shortcut leaves to the wrapper.
+_FAST_LAUNCH_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
 
 
 def _fast_launch_abi() -> tuple[int, int] | None:
@@ -189,12 +189,12 @@ def _direct_launcher(compiled):
         return wrapper
     if type(launch).__name__ != "builtin_function_or_method":  # wrapped (tensor descriptors)
         return wrapper
-    if getattr(run, "gsan_enabled", False):  # 3.8: the wrapper appends the sanitizer's state pointer
+    if getattr(run, "gsan_enabled", False):  # 3.8+: the wrapper appends the sanitizer's state pointer
         return wrapper
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
     if _ABI == (3, 6):
         return launch, (compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None), None
-    if _ABI in ((3, 7), (3, 8)):
+    if _ABI in ((3, 7), (3, 8), (3, 9)):
         return (launch, (compiled.function, coop, pdl, compiled.packed_metadata, None, None, None, None, None),
                 (run.arg_annotations, run.kernel_signature))
     return wrapper

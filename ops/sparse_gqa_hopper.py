@@ -69,7 +69,7 @@ if HAS_GLUON:
         warpgroup_mma_wait,
     )
 
-    from .sparse_mla_hopper import _cta_barrier, _launch_dependents
+    from .sparse_mla_hopper import _cta_barrier, _launch_dependents, async_load
 
 BLOCK_N = 64  # keys per block (one ring stage)
 BLOCK_H = 16  # query heads per CTA (larger groups take several head blocks)
@@ -153,7 +153,7 @@ if HAS_GLUON:
             lane_bases=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]],
             warp_bases=[[0, 8], [0, 16]], block_bases=[], shape=[_BN, 32])
         W32: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2)
-        w = vraw.index(stage)._reinterpret(gl.int32, [_BN, 32], W32).load(LW)
+        w = vraw.index(stage).reinterpret(gl.int32, [_BN, 32], W32).load(LW)
         o0, o1, o2, o3 = gl.inline_asm_elementwise(_E4M3_PAIRS_TO_F16X2, "=r,=r,=r,=r,r,r", [w],
                                                    dtype=(gl.float16, gl.float16, gl.float16, gl.float16),
                                                    is_pure=True, pack=2)
@@ -208,8 +208,8 @@ if HAS_GLUON:
         cols = gl.arange(0, 128, layout=gl.SliceLayout(0, CP))
         ptrs = (rows[:, None] + cols[None, :]).to(gl.pointer_type(gl.uint8), bitcast=True)
         vmask = valid[:, None]
-        async_copy.async_copy_global_to_shared(kraw.index(stage), ptrs, mask=vmask)
-        async_copy.async_copy_global_to_shared(vraw.index(stage), ptrs + 128, mask=vmask)
+        async_load(kraw.index(stage), ptrs, mask=vmask)
+        async_load(vraw.index(stage), ptrs + 128, mask=vmask)
 
     @gluon.jit
     def _page_table(t, g, blk_lo, blk_hi, topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
@@ -240,8 +240,8 @@ if HAS_GLUON:
         # kept in shared memory: each block reads its page's two numbers back (a register vector would need
         # a cross-warp reduction per block, or a copy per thread, which spills for long lists)
         VL1: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[0])
-        page_phys._reinterpret(gl.int32, [BLOCK_SEL], VL1).store(phys.to(gl.int32))
-        page_keys._reinterpret(gl.int32, [BLOCK_SEL], VL1).store(n_keys.to(gl.int32))
+        page_phys.reinterpret(gl.int32, [BLOCK_SEL], VL1).store(phys.to(gl.int32))
+        page_keys.reinterpret(gl.int32, [BLOCK_SEL], VL1).store(n_keys.to(gl.int32))
         return j_lo
 
     @gluon.jit
@@ -333,7 +333,7 @@ if HAS_GLUON:
         m_o = gl.convert_layout(m_i, HEADS_O)
         l_o = gl.convert_layout(gl.sum(l_rows, axis=0), HEADS_O)
         heads = hb * HB + gl.arange(0, HB, layout=HEADS_O)
-        ml = ml_smem._reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
+        ml = ml_smem.reinterpret(gl.float32, [2 * HB], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[0]))
         if CID == 1:
             o_smem.store(o)
@@ -463,7 +463,7 @@ if HAS_GLUON:
             # lane 0's word of each warp, in every thread
             VOTES: gl.constexpr = gl.DistributedLinearLayout(
                 reg_bases=[[1], [2]], lane_bases=[[0]] * 5, warp_bases=[[0]] * 2, block_bases=[], shape=[4])
-            rows = flags._reinterpret(gl.int32, [4 * 32, 4], gl.SwizzledSharedLayout(
+            rows = flags.reinterpret(gl.int32, [4 * 32, 4], gl.SwizzledSharedLayout(
                 vec=1, per_phase=1, max_phase=1, order=[0]))
             if gl.max(rows.index(32 * fb).load(VOTES), axis=0) != 0:  # no MMA has read this P^T yet
                 p, o, m_i, l_rows = _exact_step(u, o, m_i, l_rows, pt, red, HB, ROWS4)
@@ -533,7 +533,7 @@ if HAS_GLUON:
             SQ_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, 2 * HB, 32])
             zero_q = gl.zeros([_BN, 2 * HB], gl.float32, layout=SQ_L)  # ignored (use_acc=False)
-            q_two = qs._reinterpret(gl.float8e4nv, [2 * HB, 128], KL)
+            q_two = qs.reinterpret(gl.float8e4nv, [2 * HB, 128], KL)
         else:
             zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
         o = gl.zeros([128, HB], gl.float32, layout=O_L)  # O^T
@@ -545,7 +545,7 @@ if HAS_GLUON:
             s = i % NR
             mbarrier.wait(ready.index(s), (i // NR) & 1)
             fence_async_shared()  # the stage's copies (generic proxy) before the MMA reads them
-            k_tile = kraw.index(s)._reinterpret(gl.float8e4nv, [_BN, 128], KL)
+            k_tile = kraw.index(s).reinterpret(gl.float8e4nv, [_BN, 128], KL)
             if NQ == 2:
                 accq = warpgroup_mma(k_tile, q_two.permute((1, 0)), zero_q, use_acc=False, is_async=True)
             else:  # float16: three pieces (N = 48 is no power of two), chained
@@ -570,7 +570,7 @@ if HAS_GLUON:
         # had none): a stage is used by blocks s, s + NR, ..., the last of which is that block, so
         # neither the producer nor consumer 0 touches it again.
         last1 = gl.where(n >= 2, (n - 2) | 1, 1)
-        o_buf = kraw.index(last1 % NR)._reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
+        o_buf = kraw.index(last1 % NR).reinterpret(gl.float32, [128, HB], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[1, 0]))
         _merge_and_store(o, m_i, l_rows, t, g, hb, split, group, num_kv_heads, num_splits, v_scale, v_scale_ptr,
                          out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, o_buf, ml_smem, merge_ready,
@@ -632,8 +632,8 @@ if HAS_GLUON:
             warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[_BN, 4, 2, 8])
         RAW4: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
         SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-        data = dat.index(stage)._reinterpret(gl.uint8, [_BN, 4, 2, 8], RAW4).load(DL4)
-        scale = sc.index(stage)._reinterpret(gl.uint8, [_BN, 4, 2], SC3).load(gl.SliceLayout(3, DL4))
+        data = dat.index(stage).reinterpret(gl.uint8, [_BN, 4, 2, 8], RAW4).load(DL4)
+        scale = sc.index(stage).reinterpret(gl.uint8, [_BN, 4, 2], SC3).load(gl.SliceLayout(3, DL4))
         scale = gl.broadcast(gl.expand_dims(scale.to(gl.int32), 3), data)[0]
         lo, hi = gl.inline_asm_elementwise(_FP4X16_TO_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
                                            [data, scale], dtype=(gl.float16, gl.float16), is_pure=True, pack=8)
@@ -661,14 +661,14 @@ if HAS_GLUON:
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, DL))
         rows_ok = (o < p_keys)[:, None]
         offs = (o.to(gl.int64) * 64)[:, None] + cols[None, :]
-        async_copy.async_copy_global_to_shared(kdat.index(stage), kslot + offs, mask=rows_ok)
-        async_copy.async_copy_global_to_shared(vdat.index(stage), vslot + offs, mask=rows_ok)
+        async_load(kdat.index(stage), kslot + offs, mask=rows_ok)
+        async_load(vdat.index(stage), vslot + offs, mask=rows_ok)
         c = gl.arange(0, 32, layout=gl.SliceLayout(1, SCL))
         b = gl.arange(0, 16, layout=gl.SliceLayout(0, SCL))
         base = PAGE_SIZE * 64 + o0 * 8  # K: 8 bytes per key; V: 32 bytes per quad of keys, the same total
         soffs = (base + c * 16)[:, None] + b[None, :]
-        async_copy.async_copy_global_to_shared(ksc.index(stage), kslot + soffs, mask=(o0 + 2 * c < p_keys)[:, None])
-        async_copy.async_copy_global_to_shared(vsc.index(stage), vslot + soffs,
+        async_load(ksc.index(stage), kslot + soffs, mask=(o0 + 2 * c < p_keys)[:, None])
+        async_load(vsc.index(stage), vslot + soffs,
                                                mask=(o0 + 4 * (c // 2) < p_keys)[:, None])
 
     @gluon.jit
@@ -704,7 +704,7 @@ if HAS_GLUON:
         # one 16-byte store of a warp covers four different 16-byte columns of each 128-byte swizzle row
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
         RAW3: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
-        data = dat.index(stage)._reinterpret(gl.uint8, [_BN, 8, 8], RAW3).load(L3)
+        data = dat.index(stage).reinterpret(gl.uint8, [_BN, 8, 8], RAW3).load(L3)
         scale = sc.load(gl.SliceLayout(2, L3))
         keys = gl.arange(0, _BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
         scale = gl.where((keys < limit)[:, None], scale, gl.zeros_like(scale))
@@ -754,7 +754,7 @@ if HAS_GLUON:
             valid = _block_keys(blk_lo + i, j_lo, page_keys, CPB, KEYS)
             limit = _block_limit(blk_lo + i, j_lo, page_keys, CPB)
             # K scales: [64 keys, 8 groups], linear; V scales: token-quad order [16 quads, 8 groups, 4].
-            v_sc = vsc.index(s)._reinterpret(gl.uint8, [16, 8, 4], SC3).permute((0, 2, 1)).reshape([_BN, 8])
+            v_sc = vsc.index(s).reinterpret(gl.uint8, [16, 8, 4], SC3).permute((0, 2, 1)).reshape([_BN, 8])
             _nv_vtile(vdat, v_sc, s, limit, v_tile)  # the V tile (read by the P V MMA after a barrier)
             k_regs = _nv_kregs(kdat, ksc, s, A_L)
             _free_stage(kfree.index(s))  # this thread's loads of the raw stage are done
@@ -767,7 +767,7 @@ if HAS_GLUON:
 
         # consumer 1's O^T goes to its V tile, unused by then: the first 128 rows of the whole tile viewed
         # as float32 rows of HB (a reinterpreted view must cover its source exactly since triton 3.8)
-        o_buf = vh.index(1)._reinterpret(gl.float32, [_BN * 64 // HB, HB], gl.SwizzledSharedLayout(
+        o_buf = vh.index(1).reinterpret(gl.float32, [_BN * 64 // HB, HB], gl.SwizzledSharedLayout(
             vec=1, per_phase=1, max_phase=1, order=[1, 0])).slice(0, 128)
         _merge_and_store(o, m_i, gl.sum(l_rows, axis=0), t, g, hb, split, group, num_kv_heads, num_splits,
                          v_scale, v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, o_buf,

@@ -294,7 +294,7 @@ def test_direct_launcher_conventions(monkeypatch):
     launch, head, tail = _launch._direct_launcher(_FakeCompiled())
     assert launch is len and tail is None
     assert head == (1234, False, False, None, None, (4, 1, 0), None, None, None)
-    for abi in ((3, 7), (3, 8)):  # 3.8's launch function takes 3.7's arguments
+    for abi in ((3, 7), (3, 8), (3, 9)):  # 3.8's and 3.9's launch functions take 3.7's arguments
         monkeypatch.setattr(_launch, "_ABI", abi)
         launch, head, tail = _launch._direct_launcher(_FakeCompiled())
         assert launch is len
@@ -333,6 +333,7 @@ _WRAPPER_LAUNCH_CALLS = {
              "kernel_metadata, launch_metadata, launch_enter_hook, launch_exit_hook, global_scratch, "
              "profile_scratch, self.arg_annotations, self.kernel_signature, kernel_args)"),
 }
+_WRAPPER_LAUNCH_CALLS[(3, 9)] = _WRAPPER_LAUNCH_CALLS[(3, 8)]
 
 
 def test_launch_shortcut_versions(monkeypatch):
@@ -341,7 +342,7 @@ def test_launch_shortcut_versions(monkeypatch):
     if not _launch.HAS_TRITON:
         pytest.skip("needs triton")
     for version, abi in (("3.6.0", (3, 6)), ("3.7.1", (3, 7)), ("3.8.0", (3, 8)), ("3.8.1+gitabc", (3, 8)),
-                         ("3.9.0", None), ("3.5.1", None), ("4.0.0", None), ("main", None)):
+                         ("3.9.0", (3, 9)), ("3.10.0", None), ("3.5.1", None), ("4.0.0", None), ("main", None)):
         monkeypatch.setattr(_launch.triton, "__version__", version)
         assert _launch._fast_launch_abi() == abi, version
     monkeypatch.setattr(_launch.triton, "__version__", "3.8.0")
@@ -368,8 +369,8 @@ def test_launch_shortcut_matches_the_installed_triton():
     signature, call = _WRAPPER_LAUNCH_CALLS[abi]
     assert signature in source
     assert call in source
-    if abi == (3, 8):  # the list passed is the kernel's arguments unless the sanitizer is on
-        assert re.search(r"kernel_args = args if self\.gsan_enabled: .*kernel_args = \(\*args, \w+\)", source)
+    if abi in ((3, 8), (3, 9)):  # the list passed is the kernel's arguments unless the sanitizer is on
+        assert re.search(r"kernel_args = args if self\.gsan_enabled: .*kernel_args = \(\*args, [\w, ]+\)", source)
     if abi != (3, 6):  # the C launch function's argument format (3.6 generates its launcher per kernel)
         c_source = open(os.path.join(os.path.dirname(driver.__file__), "driver.c")).read()
         assert 'PyArg_ParseTuple(args, "iiiKKpp(iii)OOOOOOy*O"' in c_source

@@ -1057,7 +1057,8 @@ def test_hopper_kernels_only_with_the_triton_releases_they_are_written_for():
     """The Hopper kernels (sparse MLA and sparse GQA) are enabled only with the Triton releases whose
     Gluon they are written for: Gluon changes between releases (3.9 renamed ``_reinterpret`` and
     removed ``async_copy_global_to_shared``), and any other release takes the portable kernels instead
-    of failing to compile at the first call."""
+    of failing to compile at the first call. Where Gluon is enabled the kernels' names for those two
+    exist."""
     from torch_sparse_mla.ops import sparse_gqa_hopper
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper
     from torch_sparse_mla.ops._triton import HAS_TRITON, triton
@@ -1068,6 +1069,12 @@ def test_hopper_kernels_only_with_the_triton_releases_they_are_written_for():
     assert sparse_gqa_hopper.HAS_GLUON is hopper.HAS_GLUON
     if not (HAS_TRITON and ok(triton.__version__)):
         assert not hopper.HAS_GLUON
+    if hopper.HAS_GLUON:
+        from triton.experimental.gluon.language.nvidia.ampere import async_copy
+
+        assert hopper.async_load in [getattr(async_copy, n, None) for n in ("async_load",
+                                                                            "async_copy_global_to_shared")]
+        assert callable(hopper.gl.shared_memory_descriptor.reinterpret)
 
 
 @requires_hopper
