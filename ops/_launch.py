@@ -191,13 +191,14 @@ def _direct_launcher(compiled):
         return wrapper
     if getattr(run, "gsan_enabled", False):  # 3.8+: the wrapper appends the sanitizer's state pointer
         return wrapper
+    if _ABI is None:
+        return wrapper
     coop, pdl = run.launch_cooperative_grid, run.launch_pdl
     if _ABI == (3, 6):
         return launch, (compiled.function, coop, pdl, None, None, compiled.packed_metadata, None, None, None), None
-    if _ABI in ((3, 7), (3, 8), (3, 9)):
-        return (launch, (compiled.function, coop, pdl, compiled.packed_metadata, None, None, None, None, None),
-                (run.arg_annotations, run.kernel_signature))
-    return wrapper
+    # every later release of _FAST_LAUNCH_TRITON_VERSIONS
+    return (launch, (compiled.function, coop, pdl, compiled.packed_metadata, None, None, None, None, None),
+            (run.arg_annotations, run.kernel_signature))
 
 
 def _get_device() -> int:

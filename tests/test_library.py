@@ -318,7 +318,7 @@ def test_direct_launcher_conventions(monkeypatch):
 _WRAPPER_LAUNCH_CALLS = {
     # Triton's launcher wrapper (CudaLauncher.__call__) per release: its parameters and its call of the C
     # launch function, whose arguments _direct_launcher reproduces (3.6: head and the kernel's arguments;
-    # 3.7, 3.8: head, tail and the argument list)
+    # 3.7 to 3.9: head, tail and the argument list)
     (3, 6): ("def __call__(self, gridX, gridY, gridZ, stream, function, *args)",
              "self.launch(gridX, gridY, gridZ, stream, function, self.launch_cooperative_grid, self.launch_pdl, "
              "global_scratch, profile_scratch, *args)"),
