@@ -5,10 +5,11 @@
 For each variant (cache format x split x extra list) prints registers (the kernel's ``.maxnreg`` and
 each partition's ``setmaxnreg``), spill bytes, shared memory and the counts of the instructions that
 matter (``HGMMA`` tensor-core ops, ``SYNCS`` mbarrier ops, 128-bit global loads, local-memory traffic).
-Uses the ``ptxas`` and ``cuobjdump`` shipped inside the triton wheel. Not a test: a tool to read what
-the compiler did before spending GPU time (``docs/sparse_mla.md`` records the figures). ``--alignment``
-compiles each kernel once per pointer argument with that pointer's alignment hint removed and says which
-ones the kernel cannot do without (what ``supported()`` of each kernel must check, ``ALIGNED_ARGS``).
+Uses the ``ptxas`` Triton builds sm_90 code with and the ``cuobjdump`` shipped inside the triton wheel.
+Not a test: a tool to read what the compiler did before spending GPU time (``docs/sparse_mla.md``
+records the figures). ``--alignment`` compiles each kernel once per pointer argument with that pointer's
+alignment hint removed and says which ones the kernel cannot do without (what ``supported()`` of each
+kernel must check, ``ALIGNED_ARGS``).
 """
 
 from __future__ import annotations
@@ -167,6 +168,14 @@ def _or_unknown(value) -> str:
     return "?" if value is None else str(value)
 
 
+def _ptxas() -> str:
+    """The ptxas Triton builds sm_90 code with (from 3.9 its newer ``ptxas-blackwell``, whose PTX the
+    older ``ptxas`` of the same wheel refuses; ``TRITON_PTXAS_PATH`` and the like override it)."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    return get_ptxas(90).path
+
+
 def report(ck, label: str, sass_dir: str | None) -> str:
     ptx = ck.asm["ptx"]
     with tempfile.TemporaryDirectory() as d:
@@ -174,7 +183,7 @@ def report(ck, label: str, sass_dir: str | None) -> str:
         with open(p, "w") as f:
             f.write(ptx)
         flags = ["--regAllocOptLevel=2"] if VERSION >= (3, 7) else []
-        r = subprocess.run([os.path.join(BIN, "ptxas"), "-v", *flags, "--gpu-name=sm_90a", p, "-o",
+        r = subprocess.run([_ptxas(), "-v", *flags, "--gpu-name=sm_90a", p, "-o",
                             os.path.join(d, "k.o")], capture_output=True, text=True)
         c = os.path.join(d, "k.cubin")
         with open(c, "wb") as f:

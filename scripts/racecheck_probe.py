@@ -29,6 +29,8 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import async_copy, mbarrier
 
 _barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
+# triton 3.8 added async_load, 3.9 removed async_copy_global_to_shared (as in ops/sparse_mla_hopper.py)
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 TILE: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
 
 
@@ -58,7 +60,7 @@ def _producer(src_ptr, stages, bars, DATA: gl.constexpr, PROD: gl.constexpr, ROU
         if DATA == 0:
             stages.index(s).store(gl.load(src_ptr + i * 2048 + offs))
         elif DATA == 1:
-            async_copy.async_copy_global_to_shared(stages.index(s), src_ptr + i * 2048 + offs)
+            _async_load(stages.index(s), src_ptr + i * 2048 + offs)
             if PROD != 1:  # a one-thread arrive needs every thread's copies landed first
                 async_copy.commit_group()
                 async_copy.wait_group(0)
