@@ -59,12 +59,10 @@ from ._triton import HAS_TRITON, release, triton
 
 #: Triton releases whose Gluon the Hopper kernels (this module's and ``sparse_gqa_hopper``'s) are written
 #: for: each builds them for sm_90a (``scripts/inspect_hopper.py``), and the GPU suite has passed on an
-#: H200 with 3.6 and 3.8. Gluon is experimental and changes between releases (3.9 renamed
+#: H200 with 3.6, 3.8 and 3.9. Gluon is experimental and changes between releases (3.9 renamed
 #: ``_reinterpret`` and removed ``async_copy_global_to_shared``: the import below adapts to both), so
-#: with any other release the portable Triton kernels serve every call. Triton 3.9.0 builds the kernels
-#: and a sample of the Hopper GPU tests passed with it, but not yet the whole suite with its own
-#: ptxas: it is not in the list.
-GLUON_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8))
+#: with any other release the portable Triton kernels serve every call.
+GLUON_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
 
 
 def gluon_version_supported(version: str) -> bool:

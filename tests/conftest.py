@@ -48,7 +48,48 @@ def _mend_interpreter_scalar_index() -> bool:
     return True
 
 
+def _mend_interpreter_mask_dtype() -> bool:
+    """Triton's interpreter keeps a comparison's result as a Boolean array but types its handle with
+    the compared operands' type (``slot >= 0`` on an int64 scalar is an int64 handle). Broadcasting
+    such a scalar against a block (``(cols < dim) & ok``) fills an int64 array, and the mask of the
+    load or store becomes an integer array of 0 and 1. Up to 3.8 the interpreter's native load and
+    store accept that; 3.9.0's refuse every mask that is not Boolean ("mask has unsupported dtype").
+    The compiler is not affected (the language types the mask int1 and checks it). This converts such
+    a mask to Boolean before the native call (nonzero is true, as on the GPU), for the tests only.
+    Returns whether it was applied: only under the interpreter, and only with a Triton whose native
+    load refuses an integer mask (probed with an all-false mask, which reads nothing)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    import numpy as np
+
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return False
+    builder = getattr(interpreter, "InterpreterBuilder", None)
+    native = getattr(interpreter, "_interpreter", None)
+    if builder is None or native is None or getattr(builder, "_tsm_mask_mended", False):
+        return False
+    try:
+        native.load(np.zeros(1, np.uint64), np.zeros(1, np.int32), np.zeros(1, np.float32), np.dtype(np.float32))
+        return False  # this release takes an integer mask
+    except ValueError:
+        pass
+    load, store = builder.create_masked_load, builder.create_masked_store
+
+    def as_bool(mask):
+        if mask.data.dtype == np.bool_:
+            return mask
+        return interpreter.TensorHandle(mask.data != 0, mask.dtype)
+
+    builder.create_masked_load = lambda self, ptrs, mask, *rest: load(self, ptrs, as_bool(mask), *rest)
+    builder.create_masked_store = lambda self, ptrs, value, mask, *rest: store(self, ptrs, value, as_bool(mask), *rest)
+    builder._tsm_mask_mended = True
+    return True
+
+
 _mend_interpreter_scalar_index()
+_mend_interpreter_mask_dtype()
 
 if os.environ.get("TSM_UNDER_SANITIZER") == "1":
     # scripts/sanitize.sh memcheck-graphs: inductor's CUDA-graph trees check after each warm-up that

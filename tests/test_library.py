@@ -16,7 +16,7 @@ from torch_sparse_mla import _library
 from torch_sparse_mla.ops import _launch
 from torch_sparse_mla.ops._triton import release
 
-from common import requires_cuda, signature_cache
+from common import requires_cuda, requires_interpreter, signature_cache
 
 
 @pytest.fixture
@@ -598,3 +598,37 @@ def test_recorded_launches_replay_on_both_paths():
     for overload in ("swa_indices", "swa_indices.out", "kv_cache_insert", "kv_cache_gather"):
         assert recorded(_library._DIRECT[overload], nested="." not in overload and overload != "kv_cache_insert"), overload
         assert recorded(_library.IMPLS[overload, "CUDA"]), overload
+
+
+@requires_interpreter
+def test_interpreter_mask_from_a_loaded_scalar():
+    """A load and store masked by a block condition and a condition on a scalar loaded from memory (as
+    the portable kernels mask an invalid slot) run under the interpreter and mask exactly. With triton
+    3.9.0 the interpreter refuses such a mask unless ``tests/conftest.py`` mends it; this fails there
+    without the mend, and checks that the mend is in place exactly where the interpreter needs it."""
+    import numpy as np
+    import triton
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    @triton.jit
+    def masked_copy(x_ptr, slot_ptr, out_ptr, n):
+        slot = tl.load(slot_ptr)
+        ok = (slot >= 0) & (slot < n)
+        i = tl.arange(0, 8)
+        mask = (i < 5) & ok
+        tl.store(out_ptr + i, tl.load(x_ptr + i, mask=mask, other=-1.0), mask=mask)
+
+    x = torch.arange(8, dtype=torch.float32) + 1
+    for slot, want_copied in ((3, True), (-1, False), (10, False)):
+        out = torch.zeros(8)
+        masked_copy[(1,)](x, torch.tensor([slot]), out, 10)
+        want = torch.where(torch.arange(8) < 5, x, 0.0) if want_copied else torch.zeros(8)
+        assert torch.equal(out, want), (slot, out)
+    try:
+        interpreter._interpreter.load(np.zeros(1, np.uint64), np.zeros(1, np.int32), np.zeros(1, np.float32),
+                                      np.dtype(np.float32))
+        refuses_integer_masks = False
+    except ValueError:
+        refuses_integer_masks = True
+    assert getattr(interpreter.InterpreterBuilder, "_tsm_mask_mended", False) == refuses_integer_masks
