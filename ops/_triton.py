@@ -41,7 +41,6 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
     tl = _LanguageStandIn()
 
 
-
 def release(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a Triton version string ("3.8.0", "3.6.0+git1a2b3c"), or None where it has
     no such prefix. The Hopper kernels and the launch shortcut each support a list of releases."""

@@ -669,7 +669,7 @@ if HAS_GLUON:
         soffs = (base + c * 16)[:, None] + b[None, :]
         async_load(ksc.index(stage), kslot + soffs, mask=(o0 + 2 * c < p_keys)[:, None])
         async_load(vsc.index(stage), vslot + soffs,
-                                               mask=(o0 + 4 * (c // 2) < p_keys)[:, None])
+                   mask=(o0 + 4 * (c // 2) < p_keys)[:, None])
 
     @gluon.jit
     def _nv_load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB: gl.constexpr,
