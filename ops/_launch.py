@@ -201,6 +201,43 @@ def _direct_launcher(compiled):
             (run.arg_annotations, run.kernel_signature))
 
 
+# Register allocation of the Hopper kernels. From 3.7 Triton hands ptxas ``--regAllocOptLevel=2`` for
+# every kernel (its guard against a fault of CUDA 13's ptxas). ptxas 12.x, which 3.7 and 3.8 build sm_90
+# code with, gives the Hopper kernels byte-identical code at that level and at its default; CUDA 13.4's,
+# which 3.9 builds sm_90 code with, does not: at level 2 the 64-head sparse-MLA consumer loads and stores
+# spilled registers 16 times per block inside its loop (none at the default) and the 32-head few-heads
+# kernel 30 times, and the 64-head kernel ran 9-15% slower (docs/sparse_mla_hopper.md, "Register
+# allocation with ptxas 13"). ptxas takes the last of repeated options, so ``--regAllocOptLevel=4``
+# after Triton's restores its default (the same cubin as no option at all).
+HOPPER_REG_ALLOC = "--regAllocOptLevel=4"
+_PTXAS_MAJOR: list = []  # the major version of the ptxas Triton builds sm_90 code with, once known
+
+
+def _sm90_ptxas_major() -> int | None:
+    if not _PTXAS_MAJOR:
+        major = None
+        try:
+            from triton.backends.nvidia.compiler import get_ptxas
+
+            major = int(str(get_ptxas(90).version).split(".")[0])
+        except Exception:  # noqa: BLE001 - no CUDA backend or no ptxas: nothing to adjust
+            pass
+        _PTXAS_MAJOR.append(major)
+    return _PTXAS_MAJOR[0]
+
+
+def hopper_ptx_options() -> str | None:
+    """The ptxas options the Hopper (Gluon) kernels are built with: :data:`HOPPER_REG_ALLOC` where the
+    ptxas that builds sm_90 code is CUDA 13 or later, followed by the user's own ``PTXAS_OPTIONS``
+    (Triton's environment variable, which a kernel's explicit options would otherwise replace), so that
+    a level the user sets still wins. ``None`` (Triton's defaults) elsewhere."""
+    user = triton.knobs.nvidia.ptxas_options if HAS_TRITON and hasattr(triton, "knobs") else None
+    major = _sm90_ptxas_major() if HAS_TRITON else None
+    if major is None or major < 13:
+        return user
+    return f"{HOPPER_REG_ALLOC} {user}" if user else HOPPER_REG_ALLOC
+
+
 def _get_device() -> int:
     return torch._C._cuda_getDevice()
 
@@ -267,7 +304,7 @@ class KernelLaunch:
 
     def __init__(self, kernel, grid, args: tuple, meta: dict, *, num_warps: int, num_stages: int | None = None,
                  device: torch.device, reinterpret: bool = False, maxnreg: int | None = None,
-                 launch_pdl: bool = False, aligned: tuple[int, ...] = ()):
+                 launch_pdl: bool = False, aligned: tuple[int, ...] = (), ptx_options: str | None = None):
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.meta = meta
@@ -278,6 +315,8 @@ class KernelLaunch:
             self.options["num_stages"] = num_stages
         if maxnreg is not None:  # registers per thread, so that several CTAs fit on an SM
             self.options["maxnreg"] = maxnreg
+        if ptx_options is not None:  # extra ptxas options (hopper_ptx_options)
+            self.options["ptx_options"] = ptx_options
         self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         # the alignment bits (below: one per tensor, the first tensor's the highest) that must be set
         self.needs = sum(1 << (len(self.tensor_pos) - 1 - self.tensor_pos.index(i)) for i in set(aligned))
@@ -366,6 +405,6 @@ class KernelLaunch:
             return self.kernel[self.grid](*args, **self.meta, **self.options)
 
 
-__all__ = ["DEFAULT_SHARED_BYTES", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch", "LaunchPlan",
-           "MisalignedLaunch", "PlanCache", "cdiv", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch",
-           "shared_memory_per_block", "wait_for_prior_grid"]
+__all__ = ["DEFAULT_SHARED_BYTES", "HOPPER_REG_ALLOC", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch",
+           "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "hopper_ptx_options", "multiprocessor_count",
+           "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block", "wait_for_prior_grid"]

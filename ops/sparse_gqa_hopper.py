@@ -55,7 +55,7 @@ import torch
 
 from ..meta_kernels.sparse_gqa import is_nvfp4, kv_heads
 from ._formats import e2m1_reencode_ptx
-from ._launch import KernelLaunch, LaunchPlan, cdiv, next_pow2
+from ._launch import KernelLaunch, LaunchPlan, cdiv, hopper_ptx_options, next_pow2
 from .sparse_mla_hopper import HAS_GLUON, _is_sm90
 
 if HAS_GLUON:
@@ -980,7 +980,7 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
     kernel = _sparse_gqa_decode_hopper_kernel
     grid = (num_tokens * num_kv_heads * plan.head_blocks * plan.num_splits,)
     return KernelLaunch(kernel, grid, args, meta, num_warps=4, device=q.device, maxnreg=_MAXNREG,
-                        aligned=ALIGNED_ARGS)
+                        aligned=ALIGNED_ARGS, ptx_options=hopper_ptx_options())
 
 
 __all__ = ["ALIGNED_ARGS", "BLOCK_N", "HAS_GLUON", "NUM_STAGES", "make_launch", "plan_launch", "supported"]

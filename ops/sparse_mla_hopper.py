@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
-from ._launch import KernelLaunch, LaunchPlan, cdiv
+from ._launch import KernelLaunch, LaunchPlan, cdiv, hopper_ptx_options
 from ._triton import HAS_TRITON, release, triton
 
 #: Triton releases whose Gluon the Hopper kernels (this module's and ``sparse_gqa_hopper``'s) are written
@@ -1152,7 +1152,7 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
         kernel = _sparse_mla_decode_hopper_kernel
         meta.update(WORKER_REGS=_WORKER_REGS[kv_format])
     return KernelLaunch(kernel, (num_tokens * plan.num_splits * plan.head_blocks,), args, meta, num_warps=4,
-                        device=q.device, aligned=ALIGNED_ARGS)
+                        device=q.device, aligned=ALIGNED_ARGS, ptx_options=hopper_ptx_options())
 
 
 __all__ = ["ALIGNED_ARGS", "BLOCK_H", "GLUON_TRITON_VERSIONS", "HAS_GLUON", "check_plan", "few_heads_block",

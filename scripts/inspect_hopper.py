@@ -5,7 +5,8 @@
 For each variant (cache format x split x extra list) prints registers (the kernel's ``.maxnreg`` and
 each partition's ``setmaxnreg``), spill bytes, shared memory and the counts of the instructions that
 matter (``HGMMA`` tensor-core ops, ``SYNCS`` mbarrier ops, 128-bit global loads, local-memory traffic).
-Uses the ``ptxas`` Triton builds sm_90 code with and the ``cuobjdump`` shipped inside the triton wheel.
+Uses the ``ptxas`` Triton builds sm_90 code with (given the options the launchers give it,
+``ops/_launch.py::hopper_ptx_options``) and the ``cuobjdump`` shipped inside the triton wheel.
 Not a test: a tool to read what the compiler did before spending GPU time (``docs/sparse_mla.md``
 records the figures). ``--alignment`` compiles each kernel once per pointer argument with that pointer's
 alignment hint removed and says which ones the kernel cannot do without (what ``supported()`` of each
@@ -26,6 +27,7 @@ from triton.backends.compiler import GPUTarget
 
 from torch_sparse_mla.ops import sparse_gqa_hopper as gqa_hopper
 from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+from torch_sparse_mla.ops._launch import hopper_ptx_options
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 VERSION = tuple(int(x) for x in triton.__version__.split(".")[:2])
@@ -70,6 +72,9 @@ def _compile(fn, constexprs: dict, pointer_types: dict, float_args, div16, optio
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
              if (signature[n].startswith("*") or n in div16) and n not in _UNALIGNED}
     src = gluon._runtime.GluonASTSource(fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    ptx_options = hopper_ptx_options()  # as the launchers build them
+    if ptx_options is not None:
+        options = {**options, "ptx_options": ptx_options}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
 
 
@@ -182,7 +187,8 @@ def report(ck, label: str, sass_dir: str | None) -> str:
         p = os.path.join(d, "k.ptx")
         with open(p, "w") as f:
             f.write(ptx)
-        flags = ["--regAllocOptLevel=2"] if VERSION >= (3, 7) else []
+        flags = ["--regAllocOptLevel=2"] if VERSION >= (3, 7) else []  # Triton's own, then the kernels'
+        flags += (hopper_ptx_options() or "").split()
         r = subprocess.run([_ptxas(), "-v", *flags, "--gpu-name=sm_90a", p, "-o",
                             os.path.join(d, "k.o")], capture_output=True, text=True)
         c = os.path.join(d, "k.cubin")

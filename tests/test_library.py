@@ -351,6 +351,64 @@ def test_launch_shortcut_versions(monkeypatch):
     assert set(_WRAPPER_LAUNCH_CALLS) == set(_launch._FAST_LAUNCH_TRITON_VERSIONS)
 
 
+def test_hopper_ptx_options(monkeypatch):
+    """The Hopper kernels' ptxas options (``ops/_launch.py::hopper_ptx_options``): ptxas's default
+    register-allocation level, given after Triton's own ``--regAllocOptLevel=2``, where the ptxas that
+    builds sm_90 code is CUDA 13 or later; the user's ``PTXAS_OPTIONS`` after it (theirs win); Triton's
+    defaults elsewhere. Both Hopper launchers build their launches with them."""
+    if not _launch.HAS_TRITON:
+        pytest.skip("needs triton")
+    from torch_sparse_mla.ops import sparse_gqa_hopper, sparse_mla_hopper
+
+    monkeypatch.delenv("PTXAS_OPTIONS", raising=False)
+    for major, want in ((13, _launch.HOPPER_REG_ALLOC), (14, _launch.HOPPER_REG_ALLOC), (12, None), (None, None)):
+        monkeypatch.setattr(_launch, "_PTXAS_MAJOR", [major])
+        assert _launch.hopper_ptx_options() == want, major
+        monkeypatch.setenv("PTXAS_OPTIONS", "-O1 --regAllocOptLevel=2")
+        assert _launch.hopper_ptx_options() == " ".join(filter(None, (want, "-O1 --regAllocOptLevel=2"))), major
+        monkeypatch.delenv("PTXAS_OPTIONS")
+    assert _launch.HOPPER_REG_ALLOC == "--regAllocOptLevel=4"
+
+    # the version of the installed wheel's ptxas is read (3.6-3.8 build sm_90 code with CUDA 12.9's, 3.9 with
+    # CUDA 13.4's), unless a path in the environment names another one
+    monkeypatch.setattr(_launch, "_PTXAS_MAJOR", [])
+    major = _launch._sm90_ptxas_major()
+    if not any(k.startswith("TRITON_PTXAS") for k in os.environ):
+        try:
+            from triton.backends.nvidia.compiler import get_ptxas  # noqa: F401
+        except ImportError:
+            assert major is None
+        else:
+            if os.path.exists(get_ptxas(90).path):
+                assert major == (13 if release(_launch.triton.__version__) >= (3, 9) else 12)
+
+    # the two Hopper launchers pass them on (the kernels are not built: the launch is only recorded)
+    if not sparse_mla_hopper.HAS_GLUON:
+        pytest.skip("no Hopper kernels with this triton")
+    made = []
+
+    class Recorder:
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs)
+
+    monkeypatch.setattr(_launch, "_PTXAS_MAJOR", [13])
+    monkeypatch.setattr(sparse_mla_hopper, "KernelLaunch", Recorder)
+    monkeypatch.setattr(sparse_gqa_hopper, "KernelLaunch", Recorder)
+    for heads in (64, 16):
+        q = torch.zeros(2, heads, 576, dtype=torch.bfloat16)
+        plan = sparse_mla_hopper.plan_launch(2, heads, 2048, 132)
+        sparse_mla_hopper.make_launch((), q, "fp8_656", None, None, None, None, plan)
+    q = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 4, 64, 72, dtype=torch.uint8)  # NVFP4: 2 KV heads, pages of 64
+    pages = torch.zeros(2, 2, 3, dtype=torch.int32)
+    rows = torch.zeros(2, 4, dtype=torch.int32)
+    lens = torch.zeros(2, dtype=torch.int32)
+    out = torch.zeros(2, 16, 128, dtype=torch.bfloat16)
+    plan = sparse_gqa_hopper.plan_launch(2, 2, 8, 3, 64, 132)
+    sparse_gqa_hopper.make_launch(q, cache, pages, rows, lens, lens, 1, 0.1, 1.0, False, False, out, plan)
+    assert [m["ptx_options"] for m in made] == [_launch.HOPPER_REG_ALLOC] * 3
+
+
 def test_launch_shortcut_matches_the_installed_triton():
     """The installed Triton's launcher wrapper still calls its C launch function the way the shortcut
     does (read from its source, so that a release that changes the convention fails here, on any
