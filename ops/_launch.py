@@ -202,13 +202,14 @@ def _direct_launcher(compiled):
 
 
 # Register allocation of the Hopper kernels. From 3.7 Triton hands ptxas ``--regAllocOptLevel=2`` for
-# every kernel (its guard against a fault of CUDA 13's ptxas). ptxas 12.x, which 3.7 and 3.8 build sm_90
-# code with, gives the Hopper kernels byte-identical code at that level and at its default; CUDA 13.4's,
-# which 3.9 builds sm_90 code with, does not: at level 2 the 64-head sparse-MLA consumer loads and stores
-# spilled registers 16 times per block inside its loop (none at the default) and the 32-head few-heads
-# kernel 30 times, and the 64-head kernel ran 9-15% slower (docs/sparse_mla_hopper.md, "Register
-# allocation with ptxas 13"). ptxas takes the last of repeated options, so ``--regAllocOptLevel=4``
-# after Triton's restores its default (the same cubin as no option at all).
+# every kernel (its guard against a fault of CUDA 13's ptxas). With ptxas 12.9, which 3.7 and 3.8 build
+# sm_90 code with, the level changes no 64-head sparse-MLA or sparse-GQA cubin and only the register
+# assignment of some few-heads ones, none spilling in a loop either way: there the kernels keep Triton's
+# level. With CUDA 13.4's, which 3.9 builds sm_90 code with, at level 2 the 64-head sparse-MLA consumer
+# loads and stores spilled registers 16 times per block inside its loop (none at the default) and the
+# 32-head few-heads kernel 30 times, and the 64-head kernel ran 9-15% slower (docs/sparse_mla_hopper.md,
+# "Register allocation with ptxas 13"). ptxas takes the last of repeated options, so
+# ``--regAllocOptLevel=4`` after Triton's restores its default (the same cubin as no option at all).
 HOPPER_REG_ALLOC = "--regAllocOptLevel=4"
 _PTXAS_MAJOR: list = []  # the major version of the ptxas Triton builds sm_90 code with, once known
 
