@@ -309,7 +309,9 @@ class KernelLaunch:
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
         self.meta = meta
-        self.options = {"num_warps": num_warps}
+        # FP contraction (a * b + c as one fused multiply-add) as every kernel was tested with: Triton's
+        # default, which 3.9 warns becomes "off" in 3.10 (TRITON_DEFAULT_FP_FUSION), no longer decides it
+        self.options = {"num_warps": num_warps, "enable_fp_fusion": True}
         if launch_pdl:  # programmatic dependent launch: may be scheduled before the previous kernel ends
             self.options["launch_pdl"] = True
         if num_stages is not None:

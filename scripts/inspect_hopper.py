@@ -75,7 +75,8 @@ def _compile(fn, constexprs: dict, pointer_types: dict, float_args, div16, optio
     ptx_options = hopper_ptx_options()  # as the launchers build them
     if ptx_options is not None:
         options = {**options, "ptx_options": ptx_options}
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **options})
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": 4, "enable_fp_fusion": True, **options})
 
 
 def compile_gqa_variant(split: bool, q_dtype: str, page_size: int = 128, stages: int = gqa_hopper.NUM_STAGES,

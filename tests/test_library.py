@@ -409,6 +409,30 @@ def test_hopper_ptx_options(monkeypatch):
     assert [m["ptx_options"] for m in made] == [_launch.HOPPER_REG_ALLOC] * 3
 
 
+def test_kernels_keep_fp_fusion(monkeypatch):
+    """Every launch compiles its kernel with FP contraction on (``enable_fp_fusion=True``), as all the
+    kernels were tested with, whatever ``TRITON_DEFAULT_FP_FUSION`` says: Triton 3.9 warns that its
+    default becomes "off" in 3.10, and built with it off the NVFP4 cache writer's code changes (34
+    fewer fused multiply-adds, docs/testing.md). Launches are recorded here, not compiled."""
+    if not _launch.HAS_TRITON:
+        pytest.skip("needs triton")
+    from torch_sparse_mla.ops import kv_cache as kv_ops
+    from torch_sparse_mla.ops import sparse_gqa as gqa_ops
+
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "0")
+    seen = []
+    monkeypatch.setattr(_launch.KernelLaunch, "_jit_launch_here",
+                        lambda self, args: seen.append((self.kernel.__name__, dict(self.options))))
+    monkeypatch.setattr(kv_ops, "_PLANS", _launch.PlanCache())
+    monkeypatch.setattr(gqa_ops, "_PLANS", _launch.PlanCache())
+    kv_ops.kv_cache_insert_triton(torch.zeros(3, 656 - 80, dtype=torch.bfloat16), torch.arange(3),
+                                  torch.zeros(2, 4, 656, dtype=torch.uint8), "fp8_656")
+    k = torch.zeros(3, 2, 128, dtype=torch.bfloat16)
+    gqa_ops.gqa_kv_cache_insert_triton(k, k, torch.arange(3), torch.zeros(2, 4, 16, 72, dtype=torch.uint8))
+    assert [name for name, _ in seen] == ["_kv_cache_insert_kernel", "_gqa_kv_cache_insert_kernel"]
+    assert all(options["enable_fp_fusion"] is True for _, options in seen), seen
+
+
 def test_launch_shortcut_matches_the_installed_triton():
     """The installed Triton's launcher wrapper still calls its C launch function the way the shortcut
     does (read from its source, so that a release that changes the convention fails here, on any
