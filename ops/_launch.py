@@ -43,6 +43,7 @@ One set of conventions for all of them (metadata, KV cache, sparse MLA, sparse G
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import threading
 
@@ -211,20 +212,17 @@ def _direct_launcher(compiled):
 # "Register allocation with ptxas 13"). ptxas takes the last of repeated options, so
 # ``--regAllocOptLevel=4`` after Triton's restores its default (the same cubin as no option at all).
 HOPPER_REG_ALLOC = "--regAllocOptLevel=4"
-_PTXAS_MAJOR: list = []  # the major version of the ptxas Triton builds sm_90 code with, once known
 
 
+@functools.cache
 def _sm90_ptxas_major() -> int | None:
-    if not _PTXAS_MAJOR:
-        major = None
-        try:
-            from triton.backends.nvidia.compiler import get_ptxas
+    """The major version of the ptxas Triton builds sm_90 code with (asked once: it runs the tool)."""
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
 
-            major = int(str(get_ptxas(90).version).split(".")[0])
-        except Exception:  # noqa: BLE001 - no CUDA backend or no ptxas: nothing to adjust
-            pass
-        _PTXAS_MAJOR.append(major)
-    return _PTXAS_MAJOR[0]
+        return int(str(get_ptxas(90).version).split(".")[0])
+    except Exception:  # noqa: BLE001 - no CUDA backend or no ptxas: nothing to adjust
+        return None
 
 
 def hopper_ptx_options() -> str | None:
