@@ -149,6 +149,20 @@ if HAS_GLUON:
 
     _cta_barrier = getattr(gl, "barrier", None) or getattr(gl, "thread_barrier")
 
+    # The fp8_584 producer's views of a ring stage as [chunk, key, 64] (see _issue_block): raw bytes in
+    # _G3 (a thread's 16 bytes of a row, as G8 per chunk).
+    _G3 = gl.constexpr(gl.BlockedLayout([1, 1, 16], [1, 8, 4], [1, 4, 1], [2, 1, 0]))
+    _R3 = gl.constexpr(gl.SliceLayout(0, gl.SliceLayout(2, _G3)))  # keys
+    _C3 = gl.constexpr(gl.SliceLayout(1, gl.SliceLayout(2, _G3)))  # chunks
+    # the bf16 tile [64 keys, 512] in 128-byte swizzle as [8 chunks, 64 keys, 64]: the same bytes
+    _KL3 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=3))
+    # the raw staging bytes [16, 64 keys, 64] (unswizzled): rank 3 for slices of several chunks,
+    # rank 2 (a stack of 2-D chunks) for one chunk
+    _RAW3 = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0]))
+    _RAW2 = gl.constexpr(gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0]))
+    # the fp8_584 scale table [stage, chunk, key] (float32, unswizzled) of one stage: [chunk, key]
+    _SC3 = gl.constexpr(gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0]))
+
     @gluon.jit
     def _launch_dependents():
         """Let the kernel launched programmatically dependent on this one (the split combine, see
@@ -263,11 +277,18 @@ if HAS_GLUON:
         Bytes that need no conversion go straight to their final place: bf16 cache rows, the bf16 dims
         of the fp8 formats, the fp8_656 scales. The e4m3 bytes land in a raw staging area inside the
         stage's own bf16 tile (its upper half), which :func:`_convert_block` expands in place. Invalid
-        keys copy nothing and read as zeros. Also writes the keys' validity (and the fp8_584 scales)."""
+        keys copy nothing and read as zeros. Also writes the keys' validity (and the fp8_584 scales).
+
+        fp8_584's e4m3 chunks are copied by three operations over ``[chunk, key, byte]`` (4 + 2 + 1 chunks)
+        and its exponents stored by one, not one operation per chunk: the compiler puts a partition
+        barrier between consecutive writes into one shared allocation where it cannot tell that they do
+        not overlap (triton 3.6 always, 3.7 and 3.8 for the raw staging view), and the copies of one block
+        never overlap. That form cut the V4 configurations' time by 2-3% on an H200; for fp8_656 and bf16
+        it measured no faster, and they keep one copy per chunk ("Fewer partition barriers" in
+        docs/sparse_mla_hopper.md)."""
         G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
         G16: gl.constexpr = gl.BlockedLayout([1, 8], [8, 4], [4, 1], [1, 0])
         ROWS16: gl.constexpr = gl.SliceLayout(1, G16)
-        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
         c_ptr, c_sp, c_sr, c_ps, c_ns, i_ptr, i_st, n_used, first = _block_list(
             blk, t, nb_main, n_main, n_extra, cache_ptr, stride_cp, stride_cr, page_size, num_slots, idx_ptr,
             stride_it, stride_ik, xcache_ptr, stride_xp, stride_xr, x_page_size, x_num_slots, xidx_ptr, stride_xt,
@@ -282,10 +303,6 @@ if HAS_GLUON:
         valid_smem.index(stage).store(valid.to(gl.int8))
         kn = knope.index(stage)
         cols16 = gl.arange(0, 64, layout=gl.SliceLayout(0, G16))
-        if KV_FORMAT != 0:
-            vmask8 = valid[:, None]
-            vmask16 = gl.convert_layout(valid, ROWS16)[:, None]
-            cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
         if KV_FORMAT == 0:
             # a warp instruction copies 4 rows x 128 bytes (one swizzle row of each), in _GB
             rbase = page * c_sp + row * c_sr
@@ -295,91 +312,110 @@ if HAS_GLUON:
                 async_load(kn.slice(64 * c, 64, dim=1), ptrs + 64 * c, mask=vmask)
             if D == 576:
                 async_load(krope.index(stage), ptrs + 512, mask=vmask)
-        elif KV_FORMAT == 1:
-            # fp8_656 record: 512 e4m3 bytes, 4 float32 scales, 64 bf16 values (656 bytes per token).
-            raw = kn.reinterpret(gl.uint8, [16, _BN, 64], RAW)  # staging: raw chunk c at index 8 + c
-            rbase = page * c_sp + row * 656
-            ptrs = c_ptr + rbase[:, None] + cols8[None, :]
-            for c in gl.static_range(8):
-                async_load(raw.index(8 + c), ptrs + 64 * c, mask=vmask8)
-            rope_base = gl.convert_layout(rbase + 528, ROWS16)
-            rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
-            async_load(krope.index(stage), rope_ptrs, mask=vmask16)
-            sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
-            for g in gl.static_range(4):
-                async_load(scales.index(stage * 4 + g), sc_ptr + g, mask=valid)
         else:
-            # fp8_584 page: data rows of 576 bytes (448 e4m3, 64 bf16), then 8-byte rows of UE8M0 exponents.
-            raw = kn.reinterpret(gl.uint8, [16, _BN, 64], RAW)  # staging: raw chunk c at index 7 + c
-            rbase = page * c_sp + row * 576
-            ptrs = c_ptr + rbase[:, None] + cols8[None, :]
-            for c in gl.static_range(7):
-                async_load(raw.index(7 + c), ptrs + 64 * c, mask=vmask8)
-            tail_base = gl.convert_layout(rbase + 448, ROWS16)
-            tail_ptrs = (c_ptr + tail_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
-            async_load(kn.slice(448, 64, dim=1), tail_ptrs, mask=vmask16)
-            sbase = page * c_sp + c_ps * 576 + row * 8
-            for c in gl.static_range(7):
-                e = gl.load(c_ptr + sbase + c, mask=valid, other=127).to(gl.int32)
-                scales.index(stage * 8 + c).store(_ue8m0_to_bf16(e).to(gl.float32))
+            vmask8 = valid[:, None]
+            vmask16 = gl.convert_layout(valid, ROWS16)[:, None]
+            cols8 = gl.arange(0, 64, layout=gl.SliceLayout(0, G8))
+            raw = kn.reinterpret(gl.uint8, [16, _BN, 64], _RAW2)
+            if KV_FORMAT == 1:
+                # fp8_656 record: 512 e4m3 bytes, 4 float32 scales, 64 bf16 values (656 bytes per token).
+                # Staging: raw chunk c at index 8 + c. One copy per chunk here: the 3-D form below
+                # measured no faster for this format ("Fewer partition barriers").
+                rbase = page * c_sp + row * 656
+                ptrs = c_ptr + rbase[:, None] + cols8[None, :]
+                for c in gl.static_range(8):
+                    async_load(raw.index(8 + c), ptrs + 64 * c, mask=vmask8)
+                rope_base = gl.convert_layout(rbase + 528, ROWS16)
+                rope_ptrs = (c_ptr + rope_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+                async_load(krope.index(stage), rope_ptrs, mask=vmask16)
+                sc_ptr = (c_ptr + rbase + 512).to(gl.pointer_type(gl.float32), bitcast=True)
+                for g in gl.static_range(4):
+                    async_load(scales.index(stage * 4 + g), sc_ptr + g, mask=valid)
+            else:
+                # fp8_584 page: data rows of 576 bytes (448 e4m3, 64 bf16), then 8-byte rows of UE8M0
+                # exponents.
+                rbase = page * c_sp + row * 576
+                rb3 = gl.convert_layout(rbase, _R3)
+                v3 = gl.convert_layout(valid, _R3)
+                raw3 = kn.reinterpret(gl.uint8, [16, _BN, 64], _RAW3)
+                tail_base = gl.convert_layout(rbase + 448, ROWS16)
+                tail_ptrs = (c_ptr + tail_base[:, None]).to(gl.pointer_type(gl.bfloat16), bitcast=True) + cols16[None, :]
+                async_load(kn.slice(448, 64, dim=1), tail_ptrs, mask=vmask16)
+                # staging: raw chunk c at index 4 + c, copied as 4 + 2 + 1 chunks (a slice of n chunks
+                # starts at a multiple of n)
+                async_load(raw3.slice(4, 4, dim=0), c_ptr + _chunk_offsets3(rb3, 0, 4), mask=v3[None, :, None])
+                async_load(raw3.slice(8, 2, dim=0), c_ptr + _chunk_offsets3(rb3, 4, 2), mask=v3[None, :, None])
+                async_load(raw.index(10), c_ptr + (rbase + 384)[:, None] + cols8[None, :], mask=vmask8)
+                # a key's 7 exponents, stored as float32 rows [stage * 8 + chunk] (row 7: 1.0, unused)
+                sbase = gl.convert_layout(page * c_sp + c_ps * 576 + row * 8, _R3)
+                chunk = gl.arange(0, 8, layout=_C3)
+                e = gl.load(c_ptr + sbase[None, :] + chunk[:, None], mask=v3[None, :] & (chunk < 7)[:, None],
+                            other=127).to(gl.int32)
+                scales.reinterpret(gl.float32, [2, 8, _BN], _SC3).index(stage).store(
+                    _ue8m0_to_bf16(e).to(gl.float32))
         async_copy.commit_group()
 
     @gluon.jit
-    def _convert_chunk(raw, kn, scales, stage, c: gl.constexpr, SCALED: gl.constexpr):
+    def _chunk_offsets3(rb3, first: gl.constexpr, count: gl.constexpr):
+        """Byte offsets ``[count, 64 keys, 64]`` of 64-byte chunks ``first ..`` of the keys' rows at ``rb3``."""
+        chunk = first + gl.arange(0, count, layout=_C3)
+        byte = gl.arange(0, 64, layout=gl.SliceLayout(0, gl.SliceLayout(1, _G3)))
+        return rb3[None, :, None] + (64 * chunk)[:, None, None] + byte[None, None, :]
+
+    @gluon.jit
+    def _to_bf16_scaled(raw, sc):
+        """e4m3 bytes ``[n, keys, 64]`` to bf16, times the keys' per-chunk scales ``sc`` (``[n, keys]``
+        shared float32, powers of two: exact)."""
         v = _e4m3_to_bf16(raw)
-        if SCALED:
-            G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-            sc = scales.index(stage * 8 + c).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
-            v, sc2 = gl.broadcast(v, sc[:, None])
-            v = _mul_bf16(v, sc2)
-        kn.slice(64 * c, 64, dim=1).store(v)
+        s = sc.load(gl.SliceLayout(2, _G3)).to(gl.bfloat16)
+        v, s3 = gl.broadcast(v, s[:, :, None])
+        return _mul_bf16(v, s3)
 
     @gluon.jit
     def _convert_block(stage, knope, scales, KV_FORMAT: gl.constexpr):
         """Expand the staged e4m3 bytes of a stage into its bf16 tile, in place. The raw chunks occupy
         the tile's upper bytes; chunks are read into registers before any store that overlaps them,
-        with a partition barrier in between (other threads may still be reading)."""
+        with a partition barrier in between (other threads may still be reading). fp8_584 writes the
+        tile as ``[chunk, key, 64]`` (its 128-byte-swizzled layout holds each 64-column chunk as one
+        contiguous 8 KB block), so that a group of chunks is one store (see :func:`_issue_block`)."""
         G8: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])
-        RAW: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[1, 0])
         kn = knope.index(stage)
-        raw = kn.reinterpret(gl.uint8, [16, _BN, 64], RAW)
         if KV_FORMAT == 1:
             # raw chunk c at bytes [32K + 4K c, +4K); bf16 chunk c at [8K c, +8K).
+            raw = kn.reinterpret(gl.uint8, [16, _BN, 64], _RAW2)
             r0 = raw.index(8).load(G8)
             r1 = raw.index(9).load(G8)
             r2 = raw.index(10).load(G8)
             r3 = raw.index(11).load(G8)
-            _convert_chunk(r0, kn, scales, stage, 0, False)
-            _convert_chunk(r1, kn, scales, stage, 1, False)
-            _convert_chunk(r2, kn, scales, stage, 2, False)
-            _convert_chunk(r3, kn, scales, stage, 3, False)
+            kn.slice(0, 64, dim=1).store(_e4m3_to_bf16(r0))
+            kn.slice(64, 64, dim=1).store(_e4m3_to_bf16(r1))
+            kn.slice(128, 64, dim=1).store(_e4m3_to_bf16(r2))
+            kn.slice(192, 64, dim=1).store(_e4m3_to_bf16(r3))
             r4 = raw.index(12).load(G8)
             r5 = raw.index(13).load(G8)
             r6 = raw.index(14).load(G8)
             r7 = raw.index(15).load(G8)
             _cta_barrier()
-            _convert_chunk(r4, kn, scales, stage, 4, False)
-            _convert_chunk(r5, kn, scales, stage, 5, False)
-            _convert_chunk(r6, kn, scales, stage, 6, False)
-            _convert_chunk(r7, kn, scales, stage, 7, False)
+            kn.slice(256, 64, dim=1).store(_e4m3_to_bf16(r4))
+            kn.slice(320, 64, dim=1).store(_e4m3_to_bf16(r5))
+            kn.slice(384, 64, dim=1).store(_e4m3_to_bf16(r6))
+            kn.slice(448, 64, dim=1).store(_e4m3_to_bf16(r7))
         else:
-            # fp8_584: raw chunk c at bytes [28K + 4K c, +4K), c < 7; bf16 chunk c at [8K c, +8K).
-            r0 = raw.index(7).load(G8)
-            r1 = raw.index(8).load(G8)
-            r2 = raw.index(9).load(G8)
-            r3 = raw.index(10).load(G8)
+            # fp8_584: raw chunk c at bytes [16K + 4K c, +4K), c < 7; bf16 chunk c at [8K c, +8K) (chunks 2
+            # and 3 overlap raw chunks 0-3, chunks 4-6 raw chunks 4-6).
+            raw3 = kn.reinterpret(gl.uint8, [16, _BN, 64], _RAW3)
+            kn3 = kn.reinterpret(gl.bfloat16, [8, _BN, 64], _KL3)
+            sc = scales.reinterpret(gl.float32, [2, 8, _BN], _SC3).index(stage)
+            lo = raw3.slice(4, 4, dim=0).load(_G3)
             _cta_barrier()
-            _convert_chunk(r0, kn, scales, stage, 0, True)
-            _convert_chunk(r1, kn, scales, stage, 1, True)
-            _convert_chunk(r2, kn, scales, stage, 2, True)
-            _convert_chunk(r3, kn, scales, stage, 3, True)
-            r4 = raw.index(11).load(G8)
-            r5 = raw.index(12).load(G8)
-            r6 = raw.index(13).load(G8)
+            kn3.slice(0, 4, dim=0).store(_to_bf16_scaled(lo, sc.slice(0, 4, dim=0)))
+            r45 = raw3.slice(8, 2, dim=0).load(_G3)
+            last = kn.reinterpret(gl.uint8, [16, _BN, 64], _RAW2).index(10).load(G8)
             _cta_barrier()
-            _convert_chunk(r4, kn, scales, stage, 4, True)
-            _convert_chunk(r5, kn, scales, stage, 5, True)
-            _convert_chunk(r6, kn, scales, stage, 6, True)
+            kn3.slice(4, 2, dim=0).store(_to_bf16_scaled(r45, sc.slice(4, 2, dim=0)))
+            s6 = scales.index(stage * 8 + 6).load(gl.SliceLayout(1, G8)).to(gl.bfloat16)
+            v, s6 = gl.broadcast(_e4m3_to_bf16(last), s6[:, None])
+            kn.slice(384, 64, dim=1).store(_mul_bf16(v, s6))
 
     @gluon.jit
     def _producer(

@@ -209,11 +209,15 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     arrive_one, arrive_all = arrivals(ptx)
     loops = inner_loops(sass)
     loop_spills = [sum(1 for text in body if re.search(r"\b(STL|LDL)\b", text)) for body in loops]  # local memory
+    # partition barriers in the producer's per-block loop (the loop that issues the cp.async copies)
+    producer_bars = max((sum(1 for text in body if re.match(r"(@!?U?P\w+\s+)?BAR\b", text)) for body in loops
+                         if any(re.match(r"LDGSTS\b", text) for text in body)), default=-1)
     line = (f"{label:44s} maxnreg={maxnreg} setmaxnreg={setmax} "
             f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
             f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items())
             + f" barrier_alias={_or_unknown(barrier_aliases(ck))} arrive_one={arrive_one} arrive_all={arrive_all}"
-            + f" loops={','.join(str(len(body)) for body in loops)} loop_spills={','.join(map(str, loop_spills))}")
+            + f" loops={','.join(str(len(body)) for body in loops)} loop_spills={','.join(map(str, loop_spills))}"
+            + f" producer_bars={producer_bars}")
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
         with open(os.path.join(sass_dir, label.replace(" ", "_") + ".sass"), "w") as f:
