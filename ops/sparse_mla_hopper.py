@@ -909,13 +909,16 @@ if HAS_GLUON:
 
     @gluon.jit
     def _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i, qk_scale, score_sign,
-                  HB: gl.constexpr, FOLD: gl.constexpr, SC_SMEM: gl.constexpr):
+                  HB: gl.constexpr, FOLD: gl.constexpr, SC_SMEM: gl.constexpr, ROW_SUMS: gl.constexpr):
         """One block of the few-heads kernels after ``S^T``: the overflow-safe online softmax of the
         64-head kernel down the columns (the keys), ``P^T`` to shared memory (bf16; fp8_656: one copy
         per scale group, each rounded once from ``P * s_g`` in float32) and ``O^T += V^T P^T``, with V
         the K tile read transposed. Returns ``(o0, o1, o2, o3, m_i, l_i)``; the MMAs have completed."""
         m_new, alpha, p = _online_softmax(s, valid, m_i, qk_scale, score_sign, 0)
-        l_i = l_i * alpha + gl.sum(p, axis=0)
+        if ROW_SUMS:
+            l_i = l_i * alpha[None, :] + p
+        else:
+            l_i = l_i * alpha + gl.sum(p, axis=0)
         if FOLD:
             pt_smem.index(0).store((p * _scale_vec(sc0, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
             pt_smem.index(1).store((p * _scale_vec(sc1, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
@@ -998,7 +1001,13 @@ if HAS_GLUON:
         o2 = gl.zeros([128, HB], gl.float32, layout=S_L)  # dims [256, 384)
         o3 = gl.zeros([128, HB], gl.float32, layout=S_L)  # dims [384, 512)
         m_i = gl.full([HB], float("-inf"), gl.float32, layout=HEADS)
-        l_i = gl.zeros([HB], gl.float32, layout=HEADS)
+        # the softmax sums per key row and head, summed over the keys (across the warps) once after the
+        # loop instead of once per block; not where the 32-head fp8_656 consumer would spill for it
+        ROW_SUMS: gl.constexpr = HB == 16 or not FOLD
+        if ROW_SUMS:
+            l_i = gl.zeros([_BN, HB], gl.float32, layout=S_L)
+        else:
+            l_i = gl.zeros([HB], gl.float32, layout=HEADS)
         for blk in range(blk_lo, blk_hi):
             i = blk - blk_lo
             stage = i % 2
@@ -1012,8 +1021,10 @@ if HAS_GLUON:
             sc3 = scales.index(stage * 4 + 3)
             s = _scores_t(qn, qr, kn, krope.index(stage), sc0, sc1, sc2, sc3, HB, FOLD, D, True)
             o0, o1, o2, o3, m_i, l_i = _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i,
-                                                 qk_scale, score_sign, HB, FOLD, True)
+                                                 qk_scale, score_sign, HB, FOLD, True, ROW_SUMS)
             mbarrier.arrive(empty.index(stage))  # after the partition's barrier: every warp is done
+        if ROW_SUMS:
+            l_i = gl.sum(l_i, axis=0)
         _epilogue_t(o0, 0, m_i, l_i, pid, t, hb, sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od,
                     lse_ptr, stride_lt, stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits,
                     lse_scale, HB, HAS_SINK, SPLIT)
