@@ -867,14 +867,40 @@ if HAS_GLUON:
             return sc
 
     @gluon.jit
+    def _group_t(kn, qn, g: gl.constexpr, zero_s):
+        """Scale group ``g``'s ``K_g Q_g^T`` (128 dims) into a fresh accumulator: two async MMA commit groups."""
+        acc = warpgroup_mma(kn.slice(128 * g, 64, dim=1), qn.slice(128 * g, 64, dim=1).permute((1, 0)), zero_s,
+                            use_acc=False, is_async=True)
+        return warpgroup_mma(kn.slice(128 * g + 64, 64, dim=1), qn.slice(128 * g + 64, 64, dim=1).permute((1, 0)),
+                             acc, is_async=True)
+
+    @gluon.jit
     def _scores_t(qn, qr, kn, kr, sc0, sc1, sc2, sc3, HB: gl.constexpr, FOLD: gl.constexpr, D: gl.constexpr,
-                  SC_SMEM: gl.constexpr):
+                  SC_SMEM: gl.constexpr, TWO_ACC: gl.constexpr):
         """``S^T = K Q^T`` of one K tile, float32 ``[64 keys, HB]``; fp8_656 (``FOLD``) scales scale group
         ``g``'s partial product by the keys' scales ``sc<g>`` (see :func:`_scale_vec`) in float32, as the
         64-head kernel does."""
         S_L: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, HB, 16])
         zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)  # ignored (use_acc=False): gives the layout
-        if FOLD:
+        if FOLD and TWO_ACC:
+            # two accumulators in turn: the tensor cores run group g + 1 while group g is scaled (each
+            # group is two MMA commit groups; waiting for all but the newest two completes the older)
+            a0 = _group_t(kn, qn, 0, zero_s)
+            a1 = _group_t(kn, qn, 1, zero_s)
+            a0 = warpgroup_mma_wait(2, deps=(a0,))
+            s = a0 * _scale_vec(sc0, HB, SC_SMEM)[:, None]
+            a0 = _group_t(kn, qn, 2, zero_s)
+            a1 = warpgroup_mma_wait(2, deps=(a1,))
+            s = s + a1 * _scale_vec(sc1, HB, SC_SMEM)[:, None]
+            a1 = _group_t(kn, qn, 3, zero_s)
+            a0 = warpgroup_mma_wait(2, deps=(a0,))
+            s = s + a0 * _scale_vec(sc2, HB, SC_SMEM)[:, None]
+            a0 = warpgroup_mma(kr, qr.permute((1, 0)), zero_s, use_acc=False, is_async=True)  # the rope dims
+            a1 = warpgroup_mma_wait(1, deps=(a1,))
+            s = s + a1 * _scale_vec(sc3, HB, SC_SMEM)[:, None]
+            a0 = warpgroup_mma_wait(0, deps=(a0,))
+            s = s + a0
+        elif FOLD:
             acc = warpgroup_mma(kn.slice(0, 64, dim=1), qn.slice(0, 64, dim=1).permute((1, 0)), zero_s,
                                 use_acc=False, is_async=True)
             acc = warpgroup_mma(kn.slice(64, 64, dim=1), qn.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
@@ -893,6 +919,7 @@ if HAS_GLUON:
                 else:
                     s = s + acc * _scale_vec(sc3, HB, SC_SMEM)[:, None]
             s = warpgroup_mma(kr, qr.permute((1, 0)), s, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s,))
         else:
             if D == 576:
                 s = warpgroup_mma(kr, qr.permute((1, 0)), zero_s, use_acc=False, is_async=True)
@@ -905,10 +932,11 @@ if HAS_GLUON:
                 for c in gl.static_range(1, 8):
                     s = warpgroup_mma(kn.slice(64 * c, 64, dim=1), qn.slice(64 * c, 64, dim=1).permute((1, 0)), s,
                                       is_async=True)
-        return warpgroup_mma_wait(0, deps=(s,))
+            s = warpgroup_mma_wait(0, deps=(s,))
+        return s
 
     @gluon.jit
-    def _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i, qk_scale, score_sign,
+    def _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt0, pt1, pt2, pt3, o0, o1, o2, o3, m_i, l_i, qk_scale, score_sign,
                   HB: gl.constexpr, FOLD: gl.constexpr, SC_SMEM: gl.constexpr, ROW_SUMS: gl.constexpr):
         """One block of the few-heads kernels after ``S^T``: the overflow-safe online softmax of the
         64-head kernel down the columns (the keys), ``P^T`` to shared memory (bf16; fp8_656: one copy
@@ -920,12 +948,12 @@ if HAS_GLUON:
         else:
             l_i = l_i * alpha + gl.sum(p, axis=0)
         if FOLD:
-            pt_smem.index(0).store((p * _scale_vec(sc0, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
-            pt_smem.index(1).store((p * _scale_vec(sc1, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
-            pt_smem.index(2).store((p * _scale_vec(sc2, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
-            pt_smem.index(3).store((p * _scale_vec(sc3, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt0.store((p * _scale_vec(sc0, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt1.store((p * _scale_vec(sc1, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt2.store((p * _scale_vec(sc2, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
+            pt3.store((p * _scale_vec(sc3, HB, SC_SMEM)[:, None]).to(gl.bfloat16))
         else:
-            pt_smem.index(0).store(p.to(gl.bfloat16))
+            pt0.store(p.to(gl.bfloat16))
         fence_async_shared()
         _cta_barrier()  # every warp's part of P^T is stored before any warp's MMA reads it
         a = alpha[None, :]
@@ -934,16 +962,15 @@ if HAS_GLUON:
         o2 = o2 * a
         o3 = o3 * a
         if FOLD:
-            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt_smem.index(0), o0, is_async=True)
-            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt_smem.index(1), o1, is_async=True)
-            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt_smem.index(2), o2, is_async=True)
-            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt_smem.index(3), o3, is_async=True)
+            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt0, o0, is_async=True)
+            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt1, o1, is_async=True)
+            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt2, o2, is_async=True)
+            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt3, o3, is_async=True)
         else:
-            pt = pt_smem.index(0)
-            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt, o0, is_async=True)
-            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt, o1, is_async=True)
-            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt, o2, is_async=True)
-            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt, o3, is_async=True)
+            o0 = warpgroup_mma(kn.slice(0, 128, dim=1).permute((1, 0)), pt0, o0, is_async=True)
+            o1 = warpgroup_mma(kn.slice(128, 128, dim=1).permute((1, 0)), pt0, o1, is_async=True)
+            o2 = warpgroup_mma(kn.slice(256, 128, dim=1).permute((1, 0)), pt0, o2, is_async=True)
+            o3 = warpgroup_mma(kn.slice(384, 128, dim=1).permute((1, 0)), pt0, o3, is_async=True)
         o0, o1, o2, o3 = warpgroup_mma_wait(0, deps=(o0, o1, o2, o3))
         return o0, o1, o2, o3, m_new, l_i
 
@@ -975,7 +1002,7 @@ if HAS_GLUON:
     @gluon.jit
     def _consumer_t(
         q_ptr, stride_qt, stride_qh, stride_qd,
-        qn, qr, knope, krope, scales, valid_smem, pt_smem, ready, empty,
+        qn, qr, knope, krope, scales, valid_smem, pt0, pt1, pt2, pt3, ready, empty,
         len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
         sink_ptr, stride_sink,
         out_ptr, stride_ot, stride_oh, stride_od,
@@ -1004,6 +1031,8 @@ if HAS_GLUON:
         # the softmax sums per key row and head, summed over the keys (across the warps) once after the
         # loop instead of once per block; not where the 32-head fp8_656 consumer would spill for it
         ROW_SUMS: gl.constexpr = HB == 16 or not FOLD
+        # fp8_656's scale groups of S^T on two accumulators in turn; at 32 heads the second spills
+        TWO_ACC: gl.constexpr = HB == 16
         if ROW_SUMS:
             l_i = gl.zeros([_BN, HB], gl.float32, layout=S_L)
         else:
@@ -1019,9 +1048,10 @@ if HAS_GLUON:
             sc1 = scales.index(stage * 4 + 1)
             sc2 = scales.index(stage * 4 + 2)
             sc3 = scales.index(stage * 4 + 3)
-            s = _scores_t(qn, qr, kn, krope.index(stage), sc0, sc1, sc2, sc3, HB, FOLD, D, True)
-            o0, o1, o2, o3, m_i, l_i = _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt_smem, o0, o1, o2, o3, m_i, l_i,
-                                                 qk_scale, score_sign, HB, FOLD, True, ROW_SUMS)
+            s = _scores_t(qn, qr, kn, krope.index(stage), sc0, sc1, sc2, sc3, HB, FOLD, D, True, TWO_ACC)
+            o0, o1, o2, o3, m_i, l_i = _attend_t(s, valid, sc0, sc1, sc2, sc3, kn, pt0, pt1, pt2, pt3,
+                                                 o0, o1, o2, o3, m_i, l_i, qk_scale, score_sign, HB, FOLD, True,
+                                                 ROW_SUMS)
             mbarrier.arrive(empty.index(stage))  # after the partition's barrier: every warp is done
         if ROW_SUMS:
             l_i = gl.sum(l_i, axis=0)
@@ -1070,7 +1100,17 @@ if HAS_GLUON:
         krope = gl.allocate_shared_memory(gl.bfloat16, [2, R_ROWS, 64], SL)
         scales = gl.allocate_shared_memory(gl.float32, [16 if KV_FORMAT == 2 else 8, _BN], VL1)
         valid_smem = gl.allocate_shared_memory(gl.int8, [2, _BN], VL1)
-        pt_smem = gl.allocate_shared_memory(gl.bfloat16, [4 if FOLD else 1, _BN, HB], PL)
+        # P^T: fp8_656 one copy per scale group, each its own allocation (the compiler then puts no
+        # partition barrier between the stores of two copies, as it does between two subviews of one)
+        pt0 = gl.allocate_shared_memory(gl.bfloat16, [_BN, HB], PL)
+        if FOLD:
+            pt1 = gl.allocate_shared_memory(gl.bfloat16, [_BN, HB], PL)
+            pt2 = gl.allocate_shared_memory(gl.bfloat16, [_BN, HB], PL)
+            pt3 = gl.allocate_shared_memory(gl.bfloat16, [_BN, HB], PL)
+        else:
+            pt1 = pt0
+            pt2 = pt0
+            pt3 = pt0
         ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for s in gl.static_range(2):
@@ -1079,7 +1119,7 @@ if HAS_GLUON:
         fence_async_shared()
         gl.warp_specialize(
             [(_consumer_t, (q_ptr, stride_qt, stride_qh, stride_qd,
-                            qn, qr, knope, krope, scales, valid_smem, pt_smem, ready, empty,
+                            qn, qr, knope, krope, scales, valid_smem, pt0, pt1, pt2, pt3, ready, empty,
                             len_ptr, stride_len, topk, xlen_ptr, stride_xlen, x_topk,
                             sink_ptr, stride_sink, out_ptr, stride_ot, stride_oh, stride_od, lse_ptr, stride_lt,
                             stride_lh, ws_ptr, ws_ml_off, num_heads, num_head_blocks, num_splits, qk_scale,

@@ -212,12 +212,15 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     # partition barriers in the producer's per-block loop (the loop that issues the cp.async copies)
     producer_bars = max((sum(1 for text in body if re.match(r"(@!?U?P\w+\s+)?BAR\b", text)) for body in loops
                          if any(re.match(r"LDGSTS\b", text) for text in body)), default=-1)
+    # partition barriers in a consumer's per-block loop (one that issues wgmma): the most of any
+    consumer_bars = max((sum(1 for text in body if re.match(r"(@!?U?P\w+\s+)?BAR\b", text)) for body in loops
+                         if any(re.match(r"HGMMA\b", text) for text in body)), default=-1)
     line = (f"{label:44s} maxnreg={maxnreg} setmaxnreg={setmax} "
             f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
             f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items())
             + f" barrier_alias={_or_unknown(barrier_aliases(ck))} arrive_one={arrive_one} arrive_all={arrive_all}"
             + f" loops={','.join(str(len(body)) for body in loops)} loop_spills={','.join(map(str, loop_spills))}"
-            + f" producer_bars={producer_bars}")
+            + f" producer_bars={producer_bars} consumer_bars={consumer_bars}")
     if sass_dir:
         os.makedirs(sass_dir, exist_ok=True)
         with open(os.path.join(sass_dir, label.replace(" ", "_") + ".sass"), "w") as f:
