@@ -867,9 +867,10 @@ if HAS_GLUON:
             return sc
 
     @gluon.jit
-    def _group_t(kn, qn, g: gl.constexpr, zero_s):
-        """Scale group ``g``'s ``K_g Q_g^T`` (128 dims) into a fresh accumulator: two async MMA commit groups."""
-        acc = warpgroup_mma(kn.slice(128 * g, 64, dim=1), qn.slice(128 * g, 64, dim=1).permute((1, 0)), zero_s,
+    def _group_t(kn, qn, g: gl.constexpr, like):
+        """Scale group ``g``'s ``K_g Q_g^T`` (128 dims) into a fresh accumulator (``like`` only gives its
+        layout): two async MMA commit groups."""
+        acc = warpgroup_mma(kn.slice(128 * g, 64, dim=1), qn.slice(128 * g, 64, dim=1).permute((1, 0)), like,
                             use_acc=False, is_async=True)
         return warpgroup_mma(kn.slice(128 * g + 64, 64, dim=1), qn.slice(128 * g + 64, 64, dim=1).permute((1, 0)),
                              acc, is_async=True)
@@ -901,17 +902,10 @@ if HAS_GLUON:
             a0 = warpgroup_mma_wait(0, deps=(a0,))
             s = s + a0
         elif FOLD:
-            acc = warpgroup_mma(kn.slice(0, 64, dim=1), qn.slice(0, 64, dim=1).permute((1, 0)), zero_s,
-                                use_acc=False, is_async=True)
-            acc = warpgroup_mma(kn.slice(64, 64, dim=1), qn.slice(64, 64, dim=1).permute((1, 0)), acc, is_async=True)
-            acc = warpgroup_mma_wait(0, deps=(acc,))
+            acc = warpgroup_mma_wait(0, deps=(_group_t(kn, qn, 0, zero_s),))
             s = acc * _scale_vec(sc0, HB, SC_SMEM)[:, None]
             for g in gl.static_range(1, 4):
-                acc = warpgroup_mma(kn.slice(128 * g, 64, dim=1), qn.slice(128 * g, 64, dim=1).permute((1, 0)),
-                                    acc, use_acc=False, is_async=True)
-                acc = warpgroup_mma(kn.slice(128 * g + 64, 64, dim=1),
-                                    qn.slice(128 * g + 64, 64, dim=1).permute((1, 0)), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc,))
+                acc = warpgroup_mma_wait(0, deps=(_group_t(kn, qn, g, acc),))
                 if g == 1:
                     s = s + acc * _scale_vec(sc1, HB, SC_SMEM)[:, None]
                 elif g == 2:
