@@ -209,12 +209,13 @@ def report(ck, label: str, sass_dir: str | None) -> str:
     arrive_one, arrive_all = arrivals(ptx)
     loops = inner_loops(sass)
     loop_spills = [sum(1 for text in body if re.search(r"\b(STL|LDL)\b", text)) for body in loops]  # local memory
-    # partition barriers in the producer's per-block loop (the loop that issues the cp.async copies)
-    producer_bars = max((sum(1 for text in body if re.match(r"(@!?U?P\w+\s+)?BAR\b", text)) for body in loops
-                         if any(re.match(r"LDGSTS\b", text) for text in body)), default=-1)
-    # partition barriers in a consumer's per-block loop (one that issues wgmma): the most of any
-    consumer_bars = max((sum(1 for text in body if re.match(r"(@!?U?P\w+\s+)?BAR\b", text)) for body in loops
-                         if any(re.match(r"HGMMA\b", text) for text in body)), default=-1)
+    def most_bars(issues: str) -> int:
+        """The most partition barriers in any per-block loop with an ``issues`` instruction (-1: none)."""
+        return max((sum(1 for text in body if re.match(r"(@!?U?P\w+\s+)?BAR\b", text)) for body in loops
+                    if any(re.match(issues + r"\b", text) for text in body)), default=-1)
+
+    producer_bars = most_bars("LDGSTS")  # the producer's loop: the one that issues the cp.async copies
+    consumer_bars = most_bars("HGMMA")  # a consumer's loop: one that issues wgmma
     line = (f"{label:44s} maxnreg={maxnreg} setmaxnreg={setmax} "
             f"spill st/ld={spills.group(1) + '/' + spills.group(2) if spills else '?'} smem={ck.metadata.shared} "
             f"LDG128={ldg128} " + " ".join(f"{k}={v}" for k, v in counts.items())
