@@ -381,13 +381,21 @@ if HAS_GLUON:
     # before the maximum is recomputed: the weights stay below 2**_TAU, which float16 holds.
     _TAU = gl.constexpr(8.0)
 
+    # Eight scores $8..$15 against their thresholds $16..$23: 1 in all eight outputs if any score of any
+    # lane of the warp exceeds its threshold, else 0 (``vote.sync.any``). The comparisons chain on one
+    # predicate (``setp.gt.or``). Written as a comparison, a ``max`` over the thread's elements and a vote
+    # of that, triton 3.6 and 3.7 (LLVM) pack the eight comparisons into a bit mask first: 20 more
+    # instructions per block (docs/sparse_gqa_hopper.md, "The vote of the reference maximum").
+    _WARP_ANY_GT8 = gl.constexpr(
+        "{\n.reg .pred p, q;\nsetp.gt.f32 p, $8, $16;\n"
+        + "".join(f"setp.gt.or.f32 p, ${8 + i}, ${16 + i}, p;\n" for i in range(1, 8))
+        + "vote.sync.any.pred q, p, -1;\nselp.s32 $0, 1, 0, q;\n"
+        + "".join(f"mov.b32 ${i}, $0;\n" for i in range(1, 8)) + "}\n")
+
     @gluon.jit
-    def _warp_any(x):
-        """Per thread of a tensor holding one element per thread: 1 if the element is nonzero in any
-        lane of the thread's warp, else 0 (``vote.sync.any``)."""
-        return gl.inline_asm_elementwise(
-            "{\n.reg .pred p, q;\nsetp.ne.s32 p, $1, 0;\nvote.sync.any.pred q, p, -1;\nselp.s32 $0, 1, 0, q;\n}\n",
-            "=r,r", [x], dtype=gl.int32, is_pure=False, pack=1)
+    def _first(a, b):
+        """Combine function of a reduction over copies of one value."""
+        return a
 
     @gluon.jit
     def _exact_step(u, o, m_i, l_rows, pt, red, HB: gl.constexpr, ROWS4: gl.constexpr):
@@ -447,10 +455,15 @@ if HAS_GLUON:
         if LAZY:
             m_ref = gl.where(m_i == float("-inf"), 0.0, m_i)  # no key yet: keep every weight at 0
             p = gl.exp2(u - m_ref[None, :])
-            # [4 warps, 2, 8 lane rows, 2, 4 lane columns, 2]: a thread's own scores lie along axes 1, 3, 5
-            over = gl.where(u > (m_i + _TAU)[None, :], 1, 0)
-            over = gl.max(gl.max(gl.max(gl.reshape(over, [4, 2, 8, 2, 4, 2]), axis=5), axis=3), axis=1)
-            vote = gl.permute(gl.reshape(_warp_any(over), [4, 32]), (1, 0))  # [lane, warp]
+            # the warp's vote in one instance per thread (all 8 of its scores, HB = 16), in every copy;
+            # [4 warps, 2, 8 lane rows, 2, 4 lane columns, 2]: a thread's own copies lie along axes 1, 3, 5
+            gl.static_assert(HB == 16)
+            thr = gl.broadcast(u, (m_i + _TAU)[None, :])[1]
+            over = gl.inline_asm_elementwise(_WARP_ANY_GT8, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                             [u, thr], dtype=gl.int32, is_pure=False, pack=8)
+            over = gl.reduce(gl.reduce(gl.reduce(gl.reshape(over, [4, 2, 8, 2, 4, 2]), 5, _first), 3, _first), 1,
+                             _first)
+            vote = gl.permute(gl.reshape(over, [4, 32]), (1, 0))  # [lane, warp]
             if V_REGS:
                 # every warp's part of the previous block's P V MMA has read P^T (the NVFP4 consumer
                 # meets a partition barrier after that MMA; the float8 one would otherwise rely on the
@@ -579,29 +592,39 @@ if HAS_GLUON:
     # -------------------------------------------------------------------------------------------------
     # NVFP4 caches (docs/sparse_gqa_hopper.md, "NVFP4 on the same structure")
     # -------------------------------------------------------------------------------------------------
-    # Eight data bytes of one 16-value group (value 2i is the low nibble of byte i, 2i + 1 its high
-    # nibble) and the group's E4M3 scale (in the low byte of each of eight copies) -> the float16 of each
-    # value * scale * 2**-6, exactly. Each nibble is re-encoded as an e4m3 byte (sign to bit 7, the three
-    # exponent and mantissa bits to bits 2-4: the e4m3 value is the E2M1 value * 2**-6, subnormals
-    # included), converted two at a time by the hardware and multiplied by the float16 scale (the
-    # product has at most 6 significant bits, inside float16's exact range). Results: the 8 low-nibble
-    # values (bytes 0..7), then the 8 high-nibble values; callers keep that order (the dims permuted,
-    # see ``_nv_dim``). The re-encoding (``e2m1_reencode_ptx``) is the portable kernel's.
-    _FP4X16_TO_F16 = gl.constexpr(
-        "{\n.reg .b32 t, u, e, z, sc, c;\n.reg .b16 e0, e1, s01, s23;\n"
-        "prmt.b32 sc, $10, 0, 0x0000;\nmov.b32 {s01, s23}, sc;\ncvt.rn.f16x2.e4m3x2 c, s01;\n"
-        + e2m1_reencode_ptx("$8", ("$0", "$1"), ("$4", "$5")) + e2m1_reencode_ptx("$9", ("$2", "$3"), ("$6", "$7"))
-        + "".join(f"mul.rn.f16x2 ${i}, ${i}, c;\n" for i in range(8)) + "}\n")
+    # Sixteen data bytes of two 16-value groups (registers $16, $17 the first group's bytes 0-7, $18, $19
+    # the second's; value 2i of a group is the low nibble of its byte i, 2i + 1 the high nibble) and the
+    # two groups' E4M3 scales (the low two bytes of $20, the first group's lowest; $21..$35 are copies)
+    # -> the float16 of each value * its group's scale * 2**-6, exactly. Each nibble is re-encoded as an
+    # e4m3 byte (sign to bit 7, the three exponent and mantissa bits to bits 2-4: the e4m3 value is the
+    # E2M1 value * 2**-6, subnormals included), converted two at a time by the hardware and multiplied by
+    # the float16 scale (the product has at most 6 significant bits, inside float16's exact range). One
+    # conversion gives both scales; each multiply takes one of them as a float16 pair (ptxas selects the
+    # half in the multiply itself: no byte moves). Results: the low-nibble values ($0..$3 the first
+    # group's bytes 0..7, $4..$7 the second's), then the high-nibble values ($8..$15); callers keep
+    # that order (the dims permuted, see ``_nv_dim``). The re-encoding (``e2m1_reencode_ptx``) is the
+    # portable kernel's. Taking one group and one scale byte per instance instead costs two byte moves
+    # and one more conversion per two groups (docs/sparse_gqa_hopper.md, "Fewer instructions per block").
+    _FP4X32_TO_F16 = gl.constexpr(
+        "{\n.reg .b32 t, u, e, z, c, c0, c1;\n.reg .b16 e0, e1, s0, s1, h0, h1;\n"
+        "mov.b32 {s0, s1}, $20;\ncvt.rn.f16x2.e4m3x2 c, s0;\nmov.b32 {h0, h1}, c;\n"
+        "mov.b32 c0, {h0, h0};\nmov.b32 c1, {h1, h1};\n"
+        + e2m1_reencode_ptx("$16", ("$0", "$1"), ("$8", "$9")) + e2m1_reencode_ptx("$17", ("$2", "$3"), ("$10", "$11"))
+        + e2m1_reencode_ptx("$18", ("$4", "$5"), ("$12", "$13"))
+        + e2m1_reencode_ptx("$19", ("$6", "$7"), ("$14", "$15"))
+        + "".join(f"mul.rn.f16x2 ${i}, ${i}, c0;\n" for i in (0, 1, 2, 3, 8, 9, 10, 11))
+        + "".join(f"mul.rn.f16x2 ${i}, ${i}, c1;\n" for i in (4, 5, 6, 7, 12, 13, 14, 15)) + "}\n")
 
     @gluon.jit
-    def _fp4_expand(data, scale):
-        """float16 ``[..., 2, 8]`` of the E2M1 bytes ``data [..., 8]`` (one scale group) times their E4M3
-        ``scale`` (int32 holding the byte, same shape) times ``2**-6``: the low nibbles' values, then the
-        high nibbles'."""
-        lo, hi = gl.inline_asm_elementwise(_FP4X16_TO_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
-                                           [data, scale], dtype=(gl.float16, gl.float16), is_pure=True, pack=8)
-        v = gl.join(lo, hi)  # [..., 8, 2]
-        return gl.permute(v, [0, 1, 3, 2])
+    def _fp4_expand2(data, pair):
+        """float16 ``lo, hi`` (each shaped as ``data``) of the E2M1 bytes ``data [..., 2, 8]`` (two scale
+        groups, a thread's 16 bytes in one instance) times their group's E4M3 scale times ``2**-6``:
+        the low nibbles' values and the high nibbles'. ``pair`` (int32, same shape) holds the first
+        group's scale byte in bits 0-7 and the second's in bits 8-15."""
+        return gl.inline_asm_elementwise(_FP4X32_TO_F16,
+                                         "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,"
+                                         "r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r,r",
+                                         [data, pair], dtype=(gl.float16, gl.float16), is_pure=True, pack=16)
 
     @gluon.jit
     def _nv_dim(d):
@@ -633,10 +656,11 @@ if HAS_GLUON:
         RAW4: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
         SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
         data = dat.index(stage).reinterpret(gl.uint8, [_BN, 4, 2, 8], RAW4).load(DL4)
-        scale = sc.index(stage).reinterpret(gl.uint8, [_BN, 4, 2], SC3).load(gl.SliceLayout(3, DL4))
-        scale = gl.broadcast(gl.expand_dims(scale.to(gl.int32), 3), data)[0]
-        lo, hi = gl.inline_asm_elementwise(_FP4X16_TO_F16, "=r,=r,=r,=r,=r,=r,=r,=r,r,r,r,r,r,r,r,r,r,r",
-                                           [data, scale], dtype=(gl.float16, gl.float16), is_pure=True, pack=8)
+        SC2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
+        # the two groups' scale bytes of each (key, lane column) in one 16-bit load
+        pair = sc.index(stage).reinterpret(gl.uint16, [_BN, 4], SC2).load(gl.SliceLayout(2, gl.SliceLayout(3, DL4)))
+        pair = gl.broadcast(gl.expand_dims(gl.expand_dims(pair.to(gl.int32), 2), 3), data)[0]
+        lo, hi = _fp4_expand2(data, pair)
         v = gl.reshape(gl.join(lo, hi), [_BN, 4, 2, 2, 2, 2, 2])  # (key, lc, gi, b2, b1, b0, nib)
         v = gl.permute(v, [0, 2, 6, 3, 4, 1, 5])  # (key, gi, nib, b2, b1, lc, b0)
         return gl.convert_layout(gl.reshape(v, [_BN, 128]), A_L)
@@ -705,11 +729,16 @@ if HAS_GLUON:
         L3: gl.constexpr = gl.BlockedLayout([1, 1, 8], [8, 4, 1], [4, 1, 1], [2, 1, 0])
         RAW3: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[2, 1, 0])
         data = dat.index(stage).reinterpret(gl.uint8, [_BN, 8, 8], RAW3).load(L3)
-        scale = sc.load(gl.SliceLayout(2, L3))
-        keys = gl.arange(0, _BN, layout=gl.SliceLayout(1, gl.SliceLayout(2, L3)))
-        scale = gl.where((keys < limit)[:, None], scale, gl.zeros_like(scale))
-        scale = gl.broadcast(gl.expand_dims(scale.to(gl.int32), 2), data)[0]
-        vals = _fp4_expand(data, scale)  # [64, 8 groups, 2 nibbles, 8 bytes]: columns as _nv_dim
+        scale = sc.load(gl.SliceLayout(2, L3)).to(gl.int32)
+        # (key, l, h): group 4 h + l; a thread's two groups' scales paired in one word (h = 0 the low byte)
+        s0, s1 = gl.split(gl.permute(gl.reshape(scale, [_BN, 2, 4]), (0, 2, 1)))
+        keys = gl.arange(0, _BN, layout=gl.SliceLayout(1, s0.type.layout))
+        pair = gl.where((keys < limit)[:, None], s0 | (s1 << 8), 0)
+        data = gl.permute(gl.reshape(data, [_BN, 2, 4, 8]), (0, 2, 1, 3))  # (key, l, h, byte)
+        pair = gl.convert_layout(pair, gl.SliceLayout(2, gl.SliceLayout(3, data.type.layout)))  # the same registers
+        pair = gl.broadcast(gl.expand_dims(gl.expand_dims(pair, 2), 3), data)[0]
+        lo, hi = _fp4_expand2(data, pair)
+        vals = gl.permute(gl.join(lo, hi), (0, 2, 1, 4, 3))  # (key, h, l, nibble, byte): columns as _nv_dim
         tile.store(gl.reshape(vals, [_BN, 128]))
 
     @gluon.jit
