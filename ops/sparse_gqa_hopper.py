@@ -384,8 +384,8 @@ if HAS_GLUON:
     # Eight scores $8..$15 against their thresholds $16..$23: 1 in all eight outputs if any score of any
     # lane of the warp exceeds its threshold, else 0 (``vote.sync.any``). The comparisons chain on one
     # predicate (``setp.gt.or``). Written as a comparison, a ``max`` over the thread's elements and a vote
-    # of that, triton 3.6 and 3.7 (LLVM) pack the eight comparisons into a bit mask first: 20 more
-    # instructions per block (docs/sparse_gqa_hopper.md, "The vote of the reference maximum").
+    # of that, triton 3.6, 3.7 and 3.9 pack the eight comparisons into a bit mask first: about 17 more
+    # instructions per block (docs/sparse_gqa_hopper.md, "Fewer instructions per block").
     _WARP_ANY_GT8 = gl.constexpr(
         "{\n.reg .pred p, q;\nsetp.gt.f32 p, $8, $16;\n"
         + "".join(f"setp.gt.or.f32 p, ${8 + i}, ${16 + i}, p;\n" for i in range(1, 8))
