@@ -903,9 +903,11 @@ def test_triton_interpreter_score_overflow_is_not_nan(kv_dtype):
 
 
 def _run_ptx(asm: str, word: int, inputs: dict | None = None, n_out: int = 4) -> list[int]:
-    """A model of the few PTX instructions the NVFP4 decoders use, run on input registers (``word`` in
-    ``$4``, or ``inputs``); returns the output registers ``$0..$(n_out - 1)`` as 32-bit words."""
+    """A model of the few PTX instructions the NVFP4 decoders and the Hopper kernel's vote use, run on
+    input registers (``word`` in ``$4``, or ``inputs``); returns the output registers ``$0..$(n_out - 1)``
+    as 32-bit words. ``vote.sync.any`` is modelled for one lane (a lane alone votes its own predicate)."""
     regs = dict(inputs) if inputs is not None else {"$4": word}
+    preds = {}
     mask = 0xFFFFFFFF
 
     def val(x):
@@ -913,6 +915,9 @@ def _run_ptx(asm: str, word: int, inputs: dict | None = None, n_out: int = 4) ->
 
     def f16(bits):
         return np.array([bits & 0xFFFF], dtype=np.uint16).view(np.float16)[0]
+
+    def f32(bits):
+        return np.array([bits & mask], dtype=np.uint32).view(np.float32)[0]
 
     for line in asm.splitlines():
         line = line.strip().rstrip(";")
@@ -928,6 +933,16 @@ def _run_ptx(asm: str, word: int, inputs: dict | None = None, n_out: int = 4) ->
             regs[dst] = (val(lo) & 0xFFFF) | ((val(hi) & 0xFFFF) << 16)
             continue
         dst, *ops = [x.strip() for x in rest.split(",")]
+        if op in ("setp.gt.f32", "setp.gt.or.f32"):  # the .or form ors in the predicate of its last operand
+            preds[dst] = bool(f32(val(ops[0])) > f32(val(ops[1]))) or (op.endswith(".or.f32") and preds[ops[2]])
+            continue
+        if op == "vote.sync.any.pred":
+            assert ops[1] == "-1", line
+            preds[dst] = preds[ops[0]]
+            continue
+        if op == "selp.s32":
+            regs[dst] = (val(ops[0]) if preds[ops[2]] else val(ops[1])) & mask
+            continue
         a = [val(x) for x in ops]
         if op == "mov.b32":
             regs[dst] = a[0]
@@ -1021,30 +1036,9 @@ def test_hopper_vote_ptx():
             (0.0, 1.0, -1.0, 8.0, float("inf"), float("-inf"), float("nan"), -3.4028234663852886e38)}
 
     def run(scores, thresholds):
-        preds = {}
         regs = {**{f"${8 + i}": bits[x] for i, x in enumerate(scores)},
                 **{f"${16 + i}": bits[x] for i, x in enumerate(thresholds)}}
-        as_float = {k: float(np.array([v], dtype=np.uint32).view(np.float32)[0]) for k, v in regs.items()}
-        for line in asm.splitlines():
-            line = line.strip().rstrip(";")
-            if not line or line[0] in "{}." or line.startswith(".reg"):
-                continue
-            op, rest = line.split(None, 1)
-            args = [x.strip() for x in rest.split(",")]
-            if op == "setp.gt.f32":
-                preds[args[0]] = as_float[args[1]] > as_float[args[2]]
-            elif op == "setp.gt.or.f32":
-                preds[args[0]] = (as_float[args[1]] > as_float[args[2]]) or preds[args[3]]
-            elif op == "vote.sync.any.pred":
-                assert args[2] == "-1"
-                preds[args[0]] = preds[args[1]]
-            elif op == "selp.s32":
-                regs[args[0]] = int(args[1]) if preds[args[3]] else int(args[2])
-            elif op == "mov.b32":
-                regs[args[0]] = regs[args[1]]
-            else:
-                raise AssertionError(f"unmodelled PTX instruction {op}")
-        return [regs[f"${i}"] for i in range(8)]
+        return _run_ptx(asm, 0, regs, n_out=8)
 
     rng = random.Random(7)
     values = list(bits)
