@@ -17,10 +17,11 @@ difference.
 
 Each decode and writer case also has its *floor*: a streaming kernel that reads (and, for a writer,
 writes) the case's byte count (``Case.bytes``, the benchmark's count) from contiguous memory and does
-nothing else, captured and timed the same way. No kernel that moves those bytes replays faster under
-the same timer. The read floors are timed twice: with plain loads, and with loads that mark their
-lines first to evict from L2 (``eviction_policy="evict_first"``), so that they evict each other rather
-than the flush's modified lines.
+nothing else (``bench/floor.py``, the kernel of the benchmark's floor column), captured and timed the
+same way. No kernel that moves those bytes replays faster under the same timer. The read floors are
+timed twice: with plain loads, and with loads that mark their lines first to evict from L2
+(``eviction_policy="evict_first"``), so that they evict each other rather than the flush's modified
+lines.
 """
 
 from __future__ import annotations
@@ -28,44 +29,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-import triton
-import triton.language as tl
 
 from torch_sparse_mla.bench.common import graph_us
+from torch_sparse_mla.bench.floor import stream_floor as _stream_floor
 from torch_sparse_mla.bench.gqa import HKV, INSERT_TOKENS, KEY_BYTES, _decode_cases, _insert_case, insert_bytes
-
-_READ = 4096  # int32 read by one program of the streaming kernel (16 KB)
-
-
-@triton.jit
-def _stream_kernel(src, dst, WRITE: tl.constexpr, WRITE_P2: tl.constexpr, EVICT: tl.constexpr,
-                   READ: tl.constexpr):
-    """Program ``p`` reads ``READ`` int32 at ``src + p * READ`` and writes ``WRITE`` int32 (sums of its
-    values) at ``dst + p * WRITE``, or one int32 at ``dst + p`` when ``WRITE`` is 0."""
-    pid = tl.program_id(0).to(tl.int64)
-    v = tl.load(src + pid * READ + tl.arange(0, READ), eviction_policy=EVICT)
-    if WRITE == 0:
-        tl.store(dst + pid, tl.sum(v, axis=0))
-    else:
-        w = tl.arange(0, WRITE_P2)
-        tl.store(dst + pid * WRITE + w, tl.sum(tl.reshape(v, [WRITE_P2, READ // WRITE_P2]), axis=1), mask=w < WRITE)
 
 
 def stream_floor(read_bytes: float, write_bytes: float = 0.0, evict_first: bool = False):
-    """A call of the streaming kernel that reads at least ``read_bytes`` (whole 16 KB programs) and writes
-    about ``write_bytes`` (at most as many as it reads), on buffers of its own."""
-    programs = max(1, -(-int(read_bytes) // (4 * _READ)))
-    write = 0 if write_bytes <= 0 else max(1, round(write_bytes / programs / 4))
-    assert write <= _READ, "writes at most what it reads"
-    src = torch.randint(0, 1 << 20, (programs * _READ,), device="cuda", dtype=torch.int32)
-    dst = torch.empty(programs * max(write, 1), device="cuda", dtype=torch.int32)
-    p2 = triton.next_power_of_2(max(write, 1))
-    policy = "evict_first" if evict_first else ""
-
-    def run():
-        _stream_kernel[(programs,)](src, dst, WRITE=write, WRITE_P2=p2, EVICT=policy, READ=_READ, num_warps=8)
-
-    return run
+    """The benchmark's floor kernel (``bench/floor.py``) reading ``read_bytes`` and writing ``write_bytes``."""
+    return _stream_floor(read_bytes, write_bytes, evict_first)[0]
 
 
 def main() -> None:

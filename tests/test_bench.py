@@ -125,6 +125,13 @@ def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(common, "graph_us", lambda fn, calls=1, clean_l2=False: (fn(), 8.0 if clean_l2 else 10.0)[1])
     monkeypatch.setattr(common, "eager_us", lambda fn: (fn(), 25.0)[1])
     monkeypatch.setattr(cli, "_gpu", lambda: "test device")
+    floors = []  # (read, written) of every floor kernel the rows asked for
+
+    def fake_floor(read, written):
+        floors.append((read, written))
+        return lambda: None
+
+    monkeypatch.setattr(common, "floor_call", fake_floor)
     for family in FAMILIES:
         module = importlib.import_module(f"torch_sparse_mla.bench.{family}")
         monkeypatch.setattr(module, "cases", functools.partial(module.cases, device="cpu", smoke=True))
@@ -135,14 +142,50 @@ def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
     for title in cli.TITLES.values():
         assert f"### {title}" in text
     assert "### Host overhead (T = 1)" in text
-    assert "| config | graph µs | eager µs |" in text
+    assert "| config | graph µs | eager µs | ref graph µs | ref / ours | floor µs | floor / ours |" in text
     assert "clean L2" not in text
     assert "plot" in capsys.readouterr().out
+    # one floor per row, reading what the row reads and writing what it writes
+    rows = sum(len(list(importlib.import_module(f"torch_sparse_mla.bench.{f}").cases())) for f in FAMILIES)
+    assert len(floors) == rows
+    insert = next(c for c in importlib.import_module("torch_sparse_mla.bench.gqa").cases()
+                  if c.operator == "gqa_kv_cache_insert")
+    assert (insert.bytes - insert.written, insert.written) in floors and 0 < insert.written < insert.bytes
+
+    # --no-floors: no floor kernel, no floor columns
+    floors.clear()
+    assert cli.main(["metadata", "--no-floors", "--out", str(out), "--peak-tflops", "100", "--peak-tbps", "1"]) == 0
+    assert not floors and "floor" not in out.read_text()
 
     # --clean-l2: both graphs timed again after a read-only flush, in three more columns
     assert cli.main(["metadata", "--clean-l2", "--out", str(out), "--peak-tflops", "100", "--peak-tbps", "1"]) == 0
     text = out.read_text()
     assert "also timed with L2 emptied by a read" in text.splitlines()[0]
     table = text.split("### metadata operators")[1].strip().splitlines()
-    assert "| ref / ours | graph µs, clean L2 | ref graph µs, clean L2 | ref / ours, clean L2 |" in table[0]
-    assert "| 10.0 | 25.0 | 10.0 | 1.00x | 8.0 | 8.0 | 1.00x |" in table[2], table[2]
+    assert ("| ref / ours | floor µs | floor / ours | graph µs, clean L2 | ref graph µs, clean L2 | ref / ours, clean L2 "
+            "| floor µs, clean L2 | floor / ours, clean L2 |") in table[0]
+    assert "| 10.0 | 25.0 | 10.0 | 1.00x | 10.0 | 100% | 8.0 | 8.0 | 1.00x | 8.0 | 100% |" in table[2], table[2]
+
+
+@pytest.mark.parametrize("read, written", [(100_000, 0), (3 * 16384 + 8, 40_000), (20_000, 150_000), (4, 0)])
+def test_floor_kernel_reads_and_writes_the_bytes_it_counts(read, written):
+    """The floor kernel (``bench/floor.py``, interpreted on a CPU) reads every int32 of its source once
+    and writes at least the bytes asked: program ``p``'s outputs are the sum of its 16 KB of the source
+    plus their positions. (On a GPU the benchmark runs it; here its arithmetic is checked.)"""
+    if torch.cuda.is_available():
+        pytest.skip("checked under the Triton interpreter on CPU; the benchmark runs it on the GPU")
+    from torch_sparse_mla.bench import floor
+
+    programs, write, n_read, n_write = floor.plan(read, written)
+    assert n_read * 4 >= read and n_write * 4 >= written and n_write >= programs
+    assert programs * floor.READ >= n_read and programs * write >= n_write
+    run, src, dst = floor.stream_floor(read, written, device="cpu")
+    assert src.numel() == n_read and dst.numel() == n_write
+    dst.fill_(-1)
+    run()
+    padded = torch.zeros(programs * floor.READ, dtype=torch.int64)
+    padded[:n_read] = src.long()
+    sums = padded.view(programs, floor.READ).sum(1)
+    pos = torch.arange(programs * write).view(programs, write)
+    want = (sums[:, None] + pos).flatten()[:n_write].to(torch.int32)  # below 2**31: values under 2**16
+    assert torch.equal(dst, want)

@@ -3,9 +3,11 @@
 Times every configuration of the chosen families on the current GPU next to the same operation in
 plain PyTorch (bench/baselines.py, compiled with fullgraph=True), both replayed from CUDA graphs in
 the same run, and prints a Markdown table per family plus a host-overhead table (eager against
-graph time at T = 1). With --out the tables go to FILE with the date, GPU, versions, commit and
-ceilings, and a roofline plot to FILE's name with a .png suffix (when matplotlib is installed).
-The roofline ceilings are measured at start unless --peak-tflops and --peak-tbps are given.
+graph time at T = 1). Each row also gets its floor: a kernel that only streams the row's bytes,
+timed the same way (--no-floors skips it). With --out the tables go to FILE with the date, GPU,
+versions, commit and ceilings, and a roofline plot to FILE's name with a .png suffix (when
+matplotlib is installed). The roofline ceilings are measured at start unless --peak-tflops and
+--peak-tbps are given.
 """
 
 from __future__ import annotations
@@ -56,6 +58,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clean-l2", action="store_true",
                    help="also time both graphs with L2 emptied by a read instead of a write of zeros (columns "
                         "'clean L2')")
+    p.add_argument("--no-floors", action="store_true",
+                   help="skip the floor columns (a kernel that only streams each row's bytes, timed the same way)")
     return p
 
 
@@ -81,12 +85,13 @@ def main(argv=None) -> int:
         module = importlib.import_module(f"torch_sparse_mla.bench.{family}")
         rows = []
         for case in module.cases(quick=args.quick):
-            row = measure(case, peaks, args.calls_per_graph, args.clean_l2)
+            row = measure(case, peaks, args.calls_per_graph, args.clean_l2, floors=not args.no_floors)
             rows.append(row)
             if case.host_overhead:  # timed eagerly again at the end (remeasure_host)
                 host_rows.append((case, row))
             print(f"  {family}: {row['config']}: {row['us']:.1f} us graph, {row['eager_us']:.1f} us eager "
-                  f"({row['roofline']:.0%} of roofline); reference {row['ref_us']:.1f} us {row['note']}", flush=True)
+                  f"({row['roofline']:.0%} of roofline); reference {row['ref_us']:.1f} us; floor "
+                  f"{row.get('floor_us', float('nan')):.1f} us {row['note']}", flush=True)
             del case
             torch.cuda.empty_cache()
         table = format_table(rows)

@@ -24,6 +24,11 @@ How a case is timed (``measure``):
   modified lines: the timed call's first reads evict them, so its reads share the memory bus with up
   to an L2 of write-backs that belong to the flush. A call inside a decode step follows kernels that
   mostly read (weights), so its L2 holds unmodified lines; the clean columns time that state.
+- **floor** (unless ``floors=False``): a kernel that only streams the case's bytes (reads
+  ``bytes - written`` from contiguous memory, writes ``written``), captured and timed like the
+  operator (``bench/floor.py``). No call that moves those bytes replays faster under this timer, so
+  ``floor / ours`` is how close the operator comes to what the GPU does with its bytes, graph replay
+  cost included, in the same run; with ``--clean-l2`` the floor is timed after both flushes.
 - **roofline**: ``max(flops / peak_flops, bytes / peak_bandwidth) / graph time``, with the two
   ceilings given on the command line or measured at start (:func:`measure_peaks`).
 """
@@ -56,6 +61,7 @@ class Case:
     check: Callable[[], str] | None = None  # how far run() is from reference(): "rel 2.1e-03", "exact", ...
     operator: str = ""  # the library operator timed
     host_overhead: bool = False  # a T = 1 configuration: row of the host-overhead table
+    written: float = 0.0  # of ``bytes``, those written (the floor kernel reads the rest)
 
 
 @dataclasses.dataclass
@@ -224,7 +230,16 @@ def measure_peaks(peak_tflops: float | None, peak_tbps: float | None) -> Peaks:
     return Peaks(peak_tflops * 1e12, peak_tbps * 1e12, ("measured: " + ", ".join(how)) if how else "given")
 
 
-def measure(case: Case, peaks: Peaks, calls_per_graph: int = 1, clean_l2: bool = False) -> dict:
+def floor_call(read_bytes: float, write_bytes: float) -> Callable[[], object]:
+    """A call of the streaming kernel of ``bench/floor.py`` that reads ``read_bytes`` and writes
+    ``write_bytes`` on the current GPU (its buffers live as long as the returned function)."""
+    from torch_sparse_mla.bench.floor import stream_floor
+
+    return stream_floor(read_bytes, write_bytes)[0]
+
+
+def measure(case: Case, peaks: Peaks, calls_per_graph: int = 1, clean_l2: bool = False,
+            floors: bool = True) -> dict:
     try:
         us = graph_us(case.run, calls_per_graph)
     except CaptureError as exc:
@@ -246,6 +261,14 @@ def measure(case: Case, peaks: Peaks, calls_per_graph: int = 1, clean_l2: bool =
         row["ref_us_clean"] = graph_us(case.reference, calls_per_graph, clean_l2=True) if ref_us == ref_us \
             else float("nan")
         row["ratio_clean"] = row["ref_us_clean"] / row["us_clean"]
+    if floors:  # the bytes alone, streamed, under the same timer (module docstring)
+        floor = floor_call(case.bytes - case.written, case.written)
+        row["floor_us"] = graph_us(floor, calls_per_graph)
+        row["of_floor"] = row["floor_us"] / us
+        if clean_l2:
+            row["floor_us_clean"] = graph_us(floor, calls_per_graph, clean_l2=True)
+            row["of_floor_clean"] = row["floor_us_clean"] / row["us_clean"]
+        del floor
     compute_s, memory_s = case.flops / peaks.flops, case.bytes / peaks.bytes
     row.update({
         "TFLOP/s": case.flops / (us * 1e-6) / 1e12,
@@ -268,9 +291,13 @@ COLUMNS = [  # (key, header, format)
     ("eager_us", "eager µs", "{:.1f}"),
     ("ref_us", "ref graph µs", "{:.1f}"),
     ("ratio", "ref / ours", "{:.2f}x"),
+    ("floor_us", "floor µs", "{:.1f}"),
+    ("of_floor", "floor / ours", "{:.0%}"),
     ("us_clean", "graph µs, clean L2", "{:.1f}"),
     ("ref_us_clean", "ref graph µs, clean L2", "{:.1f}"),
     ("ratio_clean", "ref / ours, clean L2", "{:.2f}x"),
+    ("floor_us_clean", "floor µs, clean L2", "{:.1f}"),
+    ("of_floor_clean", "floor / ours, clean L2", "{:.0%}"),
     ("TFLOP/s", "TFLOP/s", "{:.1f}"),
     ("GB/s", "GB/s", "{:.0f}"),
     ("roofline", "roofline", "{:.0%}"),
@@ -288,7 +315,8 @@ def _cell(row: dict, key: str, fmt: str) -> str:
 
 
 def format_table(rows: list[dict]) -> str:
-    optional = ("note", "us_clean", "ref_us_clean", "ratio_clean")  # shown where some row has them
+    optional = ("note", "us_clean", "ref_us_clean", "ratio_clean", "floor_us", "of_floor", "floor_us_clean",
+                "of_floor_clean")  # shown where some row has them
     cols = [c for c in COLUMNS if c[0] not in optional or any(r.get(c[0]) for r in rows)]
     lines = ["| " + " | ".join(c[1] for c in cols) + " |", "|" + "|".join("---" for _ in cols) + "|"]
     for r in rows:

@@ -156,6 +156,7 @@ def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Ite
             name=f"{label} H={num_heads} K={k}{f'+{k_extra}' if k_extra else ''} T={num_tokens}",
             flops=float(num_tokens) * 2 * num_heads * (k + k_extra) * (dim + 512),
             bytes=_moved_bytes(kwargs, out, lse),
+            written=float(out.numel() * out.element_size() + lse.numel() * lse.element_size()),
             run=run,
             reference=reference,
             check=check,
