@@ -42,6 +42,31 @@ def test_cases_smoke(family, monkeypatch):
     assert expected <= operators
 
 
+def test_gqa_floor_reads_each_key_once():
+    """The sparse-GQA decode rows count every row's keys; their floor reads each (request, KV head, key)
+    once. With one query token per request the two agree; with four, rows of a request share pages."""
+    from torch_sparse_mla.bench import gqa
+
+    for q_len in (1, 4):
+        args, _, keys, distinct = gqa._decode_inputs("fp8", 8, q_len, seed=3, device="cpu", context_pages=6,
+                                                     n_sel=3, with_distinct=True)
+        _, _, topk, _, kv_lens, qo, _, _ = args
+        limit = torch.minimum(qo + 1, kv_lens).tolist()
+        seen = {}
+        for t in range(8):
+            for g in range(gqa.HKV):
+                for p in topk[t, g].tolist():
+                    n = min(max(limit[t] - p * gqa.PAGE_SIZE, 0), gqa.PAGE_SIZE)
+                    seen[t // q_len, g, p] = max(seen.get((t // q_len, g, p), 0), n)
+        assert distinct == sum(seen.values())
+        assert (distinct == keys) if q_len == 1 else (0 < distinct < keys)
+    for case in gqa.cases(device="cpu", smoke=True):
+        if case.operator == "sparse_gqa_decode":
+            assert case.floor_read <= case.bytes - case.written, case.name
+            if "q_len=1" in case.name:
+                assert case.floor_read == case.bytes - case.written, case.name
+
+
 def test_full_configurations_cover_the_targets():
     """The MLA benchmark times every configuration of the speed targets."""
     from torch_sparse_mla.bench import mla

@@ -25,8 +25,8 @@ How a case is timed (``measure``):
   to an L2 of write-backs that belong to the flush. A call inside a decode step follows kernels that
   mostly read (weights), so its L2 holds unmodified lines; the clean columns time that state.
 - **floor** (unless ``floors=False``): a kernel that only streams the case's bytes (reads
-  ``bytes - written`` from contiguous memory, writes ``written``), captured and timed like the
-  operator (``bench/floor.py``). No call that moves those bytes replays faster under this timer, so
+  ``bytes - written`` from contiguous memory, or ``floor_read`` where the case counts bytes that
+  several rows read, writes ``written``), captured and timed like the operator (``bench/floor.py``). No call that moves those bytes replays faster under this timer, so
   ``floor / ours`` is how close the operator comes to what the GPU does with its bytes, graph replay
   cost included, in the same run; with ``--clean-l2`` the floor is timed after both flushes.
 - **roofline**: ``max(flops / peak_flops, bytes / peak_bandwidth) / graph time``, with the two
@@ -62,6 +62,7 @@ class Case:
     operator: str = ""  # the library operator timed
     host_overhead: bool = False  # a T = 1 configuration: row of the host-overhead table
     written: float = 0.0  # of ``bytes``, those written (the floor kernel reads the rest)
+    floor_read: float | None = None  # what the floor reads, where fewer than ``bytes - written`` are distinct
 
 
 @dataclasses.dataclass
@@ -262,7 +263,7 @@ def measure(case: Case, peaks: Peaks, calls_per_graph: int = 1, clean_l2: bool =
             else float("nan")
         row["ratio_clean"] = row["ref_us_clean"] / row["us_clean"]
     if floors:  # the bytes alone, streamed, under the same timer (module docstring)
-        floor = floor_call(case.bytes - case.written, case.written)
+        floor = floor_call(case.bytes - case.written if case.floor_read is None else case.floor_read, case.written)
         row["floor_us"] = graph_us(floor, calls_per_graph)
         row["of_floor"] = row["floor_us"] / us
         if clean_l2:

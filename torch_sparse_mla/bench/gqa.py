@@ -8,7 +8,7 @@ Insert: 4096 tokens x 4 KV heads x 128 (bfloat16 K and V) into a float8 and an N
 Bytes count what a call must move. Decode: the visible keys of every (row, KV head) selection at the
 format's bytes per key (256 for float8 K and V, 144 for NVFP4: 2 x (64 data + 8 scale bytes)), each row
 reading its pages itself even when the rows of one request select the same pages, plus q, the output
-and the index lists. Insert: K and V read, the slots, and the bytes written. FLOPs (decode):
+and the index lists. The floor column (``bench/common.py``) reads each (request, KV head, key) once. Insert: K and V read, the slots, and the bytes written. FLOPs (decode):
 ``4 * Hq / Hkv * Dh`` per visible key of each (row, KV head) (QK^T and PV).
 
 The reference of every case is the plain-PyTorch function of ``bench/baselines.py`` (what a user
@@ -58,8 +58,9 @@ def _cache(kv_format: str, num_pages: int, gen: torch.Generator, device: str) ->
 
 
 def _decode_inputs(kv_format: str, num_rows: int, decode_query_len: int, seed: int, device: str,
-                   context_pages: int = CONTEXT_PAGES, n_sel: int = N_SEL):
-    """Arguments of the operator (schema order), of the baseline, and the number of visible keys."""
+                   context_pages: int = CONTEXT_PAGES, n_sel: int = N_SEL, with_distinct: bool = False):
+    """Arguments of the operator (schema order), of the baseline, the number of visible keys of all
+    (row, KV head) selections and (``with_distinct``) of distinct (request, KV head, key) among them."""
     gen = torch.Generator().manual_seed(seed)
     batch = num_rows // decode_query_len
     num_pages = batch * context_pages
@@ -75,7 +76,13 @@ def _decode_inputs(kv_format: str, num_rows: int, decode_query_len: int, seed: i
     topk_pages = priority.argsort(-1)[..., :n_sel].to(torch.int32)
     kv_lens, qo = decode_runtime_metadata(seq_lens, decode_query_len=decode_query_len)
     limit = torch.minimum(qo + 1, kv_lens).to(torch.int64)
-    keys = (limit[:, None, None] - topk_pages.to(torch.int64) * PAGE_SIZE).clamp(0, PAGE_SIZE).sum().item()
+    visible = (limit[:, None, None] - topk_pages.to(torch.int64) * PAGE_SIZE).clamp(0, PAGE_SIZE)
+    keys = visible.sum().item()
+    # Distinct keys: each (request, KV head, page) once, with the most keys any row of the request sees.
+    seen = torch.zeros(batch, HKV, context_pages, dtype=torch.int64)
+    seen.view(-1).scatter_reduce_(0, ((req[:, None, None] * HKV + torch.arange(HKV)[None, :, None]) * context_pages
+                                      + topk_pages).flatten(), visible.flatten(), "amax")
+    distinct = seen.sum().item()
 
     kv_cache = _cache(kv_format, num_pages, gen, device)
     q = torch.randn(num_rows, HQ, HEAD_DIM, generator=gen).to(device=device, dtype=torch.bfloat16)
@@ -84,7 +91,7 @@ def _decode_inputs(kv_format: str, num_rows: int, decode_query_len: int, seed: i
     args = (q, kv_cache, topk_pages, block_table, kv_lens, qo, decode_query_len, scale)
     # The baseline takes one block-table row per query row and the last visible position.
     baseline_args = (q, kv_cache, topk_pages, block_table[req.to(device)], qo, scale)
-    return args, baseline_args, keys
+    return (args, baseline_args, keys, distinct) if with_distinct else (args, baseline_args, keys)
 
 
 def _decode_cases(kv_format: str, quick: bool, device: str, smoke: bool) -> Iterator[Case]:
@@ -93,9 +100,9 @@ def _decode_cases(kv_format: str, quick: bool, device: str, smoke: bool) -> Iter
         for num_rows in SMOKE_ROWS if smoke else QUICK_ROWS if quick else ROWS:
             if num_rows % decode_query_len:
                 continue
-            args, baseline_args, keys = _decode_inputs(kv_format, num_rows, decode_query_len,
-                                                       seed=num_rows * 10 + decode_query_len, device=device,
-                                                       context_pages=context_pages, n_sel=n_sel)
+            args, baseline_args, keys, distinct = _decode_inputs(
+                kv_format, num_rows, decode_query_len, seed=num_rows * 10 + decode_query_len, device=device,
+                context_pages=context_pages, n_sel=n_sel, with_distinct=True)
             q, kv_cache, topk_pages, block_table, kv_lens, qo, dql, scale = args
             out = torch.empty_like(q)
 
@@ -117,6 +124,8 @@ def _decode_cases(kv_format: str, quick: bool, device: str, smoke: bool) -> Iter
                 flops=4.0 * (HQ // HKV) * HEAD_DIM * keys,
                 bytes=float(keys * KEY_BYTES[kv_format] + num_rows * row_bytes),
                 written=float(out.numel() * out.element_size()),
+                # the floor reads each (request, KV head, key) once: rows of a request may select the same pages
+                floor_read=float(distinct * KEY_BYTES[kv_format] + num_rows * (row_bytes - HQ * HEAD_DIM * 2)),
                 run=run,
                 reference=reference,
                 check=check,
