@@ -1598,9 +1598,10 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         counts = {k: int(v) for k, v in re.findall(r"\b(HGMMA|QGMMA|SYNCS|PREEXIT)=(\d+)", row)}
         assert re.search(r"maxnreg=\['80'\]", row), row
         assert 2 * (smem + 1024) <= 228 * 1024, row  # two CTAs per SM (1 KB reserved per CTA)
-        # spill stores: 40-124 bytes with triton 3.6 and 3.7.1 (docs/sparse_gqa_hopper.md), nearly all of them outside
-        # the per-block loops (checked below)
-        assert spill_stores <= 128, row
+        # spill stores: 0-24 bytes with triton 3.6 to 3.9 since the register split of 97d6e77 (44-100 before in
+        # some variants; docs/sparse_gqa_hopper.md, "Registers to the consumers"), none in the per-block loops
+        # (checked below)
+        assert spill_stores <= 32, row
         # float8: float8 Q K^T and float16 P V; NVFP4: float16 for both
         assert counts["HGMMA"] > 0 and (counts["QGMMA"] == 0 if nvfp4 else counts["QGMMA"] > 0), row
         assert counts["SYNCS"] > 0, row
@@ -1617,7 +1618,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         # float8 298-327, NVFP4 489-500 (505-514 before); with the reference maximum, its rarely taken
         # exact-maximum branch included, float8 371-407 (388-424 before), NVFP4 564-571 (599-605 before);
         # the producer 82-90; 3.8 and 3.9 within these limits too): a longer consumer loop is a slower
-        # kernel; at most 5 spill stores or reloads in a loop
+        # kernel; no spill store or reload in a loop
         lazy = " lazy=1" in row
         loops = [int(n) for n in re.search(r"loops=([\d,]+)", row).group(1).split(",")]
         loop_spills = [int(n) for n in re.search(r"loop_spills=([\d,]+)", row).group(1).split(",")]
@@ -1625,7 +1626,7 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         producer, *consumers = sorted(loops)
         limit = (580 if nvfp4 else 415) if lazy else (510 if nvfp4 else 360)
         assert max(consumers) <= limit and producer <= 120, row
-        assert max(loop_spills) <= 5, row
+        assert max(loop_spills) == 0, row
 
 
 def test_racecheck_probe_builds_for_sm90():
