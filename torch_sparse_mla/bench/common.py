@@ -26,9 +26,10 @@ How a case is timed (``measure``):
   mostly read (weights), so its L2 holds unmodified lines; the clean columns time that state.
 - **floor** (unless ``floors=False``): a kernel that only streams the case's bytes (reads
   ``bytes - written`` from contiguous memory, or ``floor_read`` where the case counts bytes that
-  several rows read, writes ``written``), captured and timed like the operator (``bench/floor.py``). No call that moves those bytes replays faster under this timer, so
-  ``floor / ours`` is how close the operator comes to what the GPU does with its bytes, graph replay
-  cost included, in the same run; with ``--clean-l2`` the floor is timed after both flushes.
+  several rows read, writes ``written``), captured and timed like the operator (``bench/floor.py``).
+  No call that moves those bytes replays faster under this timer, so ``floor / ours`` is how close
+  the operator comes to what the GPU does with its bytes, graph replay cost included, in the same
+  run; with ``--clean-l2`` the floor is timed after both flushes.
 - **roofline**: ``max(flops / peak_flops, bytes / peak_bandwidth) / graph time``, with the two
   ceilings given on the command line or measured at start (:func:`measure_peaks`).
 """
