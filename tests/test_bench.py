@@ -182,13 +182,14 @@ def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
     assert cli.main(["metadata", "--no-floors", "--out", str(out), "--peak-tflops", "100", "--peak-tbps", "1"]) == 0
     assert not floors and "floor" not in out.read_text()
 
-    # --clean-l2: both graphs timed again after a read-only flush, in three more columns
+    # --clean-l2: the operator, its reference and its floor timed again after a read-only flush, in five
+    # more columns
     assert cli.main(["metadata", "--clean-l2", "--out", str(out), "--peak-tflops", "100", "--peak-tbps", "1"]) == 0
     text = out.read_text()
     assert "also timed with L2 emptied by a read" in text.splitlines()[0]
     table = text.split("### metadata operators")[1].strip().splitlines()
-    assert ("| ref / ours | floor µs | floor / ours | graph µs, clean L2 | ref graph µs, clean L2 | ref / ours, clean L2 "
-            "| floor µs, clean L2 | floor / ours, clean L2 |") in table[0]
+    assert ("| ref / ours | floor µs | floor / ours | graph µs, clean L2 | ref graph µs, clean L2 "
+            "| ref / ours, clean L2 | floor µs, clean L2 | floor / ours, clean L2 |") in table[0]
     assert "| 10.0 | 25.0 | 10.0 | 1.00x | 10.0 | 100% | 8.0 | 8.0 | 1.00x | 8.0 | 100% |" in table[2], table[2]
 
 

@@ -8,8 +8,9 @@ Insert: 4096 tokens x 4 KV heads x 128 (bfloat16 K and V) into a float8 and an N
 Bytes count what a call must move. Decode: the visible keys of every (row, KV head) selection at the
 format's bytes per key (256 for float8 K and V, 144 for NVFP4: 2 x (64 data + 8 scale bytes)), each row
 reading its pages itself even when the rows of one request select the same pages, plus q, the output
-and the index lists. The floor column (``bench/common.py``) reads each (request, KV head, key) once. Insert: K and V read, the slots, and the bytes written. FLOPs (decode):
-``4 * Hq / Hkv * Dh`` per visible key of each (row, KV head) (QK^T and PV).
+and the index lists; the floor column (``bench/common.py``) reads each (request, KV head, key) once.
+Insert: K and V read, the slots, and the bytes written. FLOPs (decode): ``4 * Hq / Hkv * Dh`` per
+visible key of each (row, KV head) (QK^T and PV).
 
 The reference of every case is the plain-PyTorch function of ``bench/baselines.py`` (what a user
 writes without the library) compiled with ``torch.compile(fullgraph=True)``, on the same inputs.

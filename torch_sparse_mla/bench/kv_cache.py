@@ -84,8 +84,8 @@ def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Ite
                 return mismatches(_raw(ours), _raw(theirs))
 
             yield Case(name=f"insert {kv_format} N={n}", flops=0.0, bytes=float(n * (dim * 2 + token_bytes + 8)),
-                       written=float(n * token_bytes), run=run, reference=reference, check=check, operator="kv_cache_insert",
-                       host_overhead=n == 1)
+                       written=float(n * token_bytes), run=run, reference=reference, check=check,
+                       operator="kv_cache_insert", host_overhead=n == 1)
 
             full, _ = _cache(kv_format, pool, device)  # every slot written
             tsm.kv_cache_insert(torch.randn(pool, dim, device=device) * 4, torch.arange(pool, device=device), full,
@@ -103,5 +103,5 @@ def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Ite
                 return mismatches(run(), reference())
 
             yield Case(name=f"gather {kv_format} N={n}", flops=0.0, bytes=float(n * (dim * 2 + token_bytes + 8)),
-                       written=float(n * dim * 2), run=run, reference=reference, check=check, operator="kv_cache_gather",
-                       host_overhead=n == 1)
+                       written=float(n * dim * 2), run=run, reference=reference, check=check,
+                       operator="kv_cache_gather", host_overhead=n == 1)
