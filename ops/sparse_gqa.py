@@ -974,7 +974,7 @@ def _within(s, bound: tl.constexpr):
 
 
 @triton.jit
-def _quotient(x, d, r, FAST: tl.constexpr):
+def _quotient(x, d, r, FAST: tl.constexpr, NONNEG: tl.constexpr = False):
     """float32 ``RN(x / d)`` for ``x`` and ``d``, ``r`` broadcast to ``x``'s shape (``r = RN(1 / d)``).
 
     ``FAST`` (GPU): one product and two fused corrections, ``q = RN(x r)``, ``e = RN(x - q d)``,
@@ -987,6 +987,8 @@ def _quotient(x, d, r, FAST: tl.constexpr):
         r = tl.broadcast_to(r, x.shape)
         q = x * r
         e = tl.fma(-q, d, x)
+        if NONNEG:  # x >= 0 or NaN and d > 0: a zero quotient is +0.0, as the correction leaves it
+            return tl.fma(e, r, q)
         # A zero quotient keeps the sign of x * r (-0.0 / s is -0.0; the correction would add +0.0).
         return tl.where(q == 0.0, q, tl.fma(e, r, q))
     else:
@@ -1118,12 +1120,15 @@ def _gqa_kv_cache_insert_kernel(
     v_rows = v_ptr + n * stride_v_n + g * stride_v_h
 
     # Both rows are loaded whole before anything is stored: a load cannot move above a store that may
-    # alias it, so V loaded after K's stores would wait a second memory round trip.
-    d = tl.arange(0, BLOCK_D)
-    in_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
-    k = load_as_f32(k_rows[:, None] + d[None, :] * stride_k_d, in_mask, IN_BF16)
-    v = load_as_f32(v_rows[:, None] + d[None, :] * stride_v_d, in_mask, IN_BF16)
+    # alias it, so V loaded after K's stores would wait a second memory round trip. They are loaded
+    # whatever the row's slot (a row whose slot is skipped is read for nothing), so that their loads
+    # need not wait for the slots'.
     if KV_FMT == 0:
+        d = tl.arange(0, BLOCK_D)
+        in_mask = ok[:, None] & (d < HEAD_DIM)[None, :]
+        row_mask = live[:, None] & (d < HEAD_DIM)[None, :]
+        k = load_as_f32(k_rows[:, None] + d[None, :] * stride_k_d, row_mask, IN_BF16)
+        v = load_as_f32(v_rows[:, None] + d[None, :] * stride_v_d, row_mask, IN_BF16)
         dst = cache_ptr + (page * stride_c_p + g * stride_c_h + o * stride_c_o)[:, None] + d[None, :]
         if STORE == 0:
             # Markstein's quotient with the reciprocal of s (see _quotient) is exact when s lies in
@@ -1145,9 +1150,17 @@ def _gqa_kv_cache_insert_kernel(
             tl.store(dst, _half_bits(k, STORE, HW_CVT), mask=in_mask)
             tl.store(dst + HEAD_DIM, _half_bits(v, STORE, HW_CVT), mask=in_mask)
     else:
+        # [row, group, value]: each group's first and second 8 values (HEAD_DIM is 128), so that a
+        # group's 16 values, its scale and its 8 data bytes stay in one thread
+        half = (tl.arange(0, 8) * 16)[None, :, None] + tl.arange(0, 8)[None, None, :]
+        row_mask = live[:, None, None] & (half < HEAD_DIM)
+        k_lo = load_as_f32(k_rows[:, None, None] + half * stride_k_d, row_mask, IN_BF16)
+        k_hi = load_as_f32(k_rows[:, None, None] + (half + 8) * stride_k_d, row_mask, IN_BF16)
+        v_lo = load_as_f32(v_rows[:, None, None] + half * stride_v_d, row_mask, IN_BF16)
+        v_hi = load_as_f32(v_rows[:, None, None] + (half + 8) * stride_v_d, row_mask, IN_BF16)
         k_slot = cache_ptr + page * stride_c_p + (2 * g) * stride_c_h
-        _nvfp4_write(k, ks, k_slot, o, ok, PAGE_SIZE, False, HW_CVT)
-        _nvfp4_write(v, vs, k_slot + stride_c_h, o, ok, PAGE_SIZE, True, HW_CVT)
+        _nvfp4_write(k_lo, k_hi, ks, k_slot, o, ok, PAGE_SIZE, False, HW_CVT)
+        _nvfp4_write(v_lo, v_hi, vs, k_slot + stride_c_h, o, ok, PAGE_SIZE, True, HW_CVT)
 
 
 @triton.jit
@@ -1164,15 +1177,36 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
-def _nvfp4_write(x, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDER: tl.constexpr, HW_CVT: tl.constexpr):
-    """Quantise the rows ``x [BLOCK_R, 128]`` (float32, loaded whole) with the total scale ``s`` (a
-    scalar) and store token ``o``'s 64 data bytes and 8 scale bytes into the NVFP4 slots at ``slot_ptr
-    [BLOCK_R]``. The rows are viewed as [row, group, byte, nibble]: a byte's two values and a group's
-    16 values stay in one thread."""
+def _nvfp4_codes(x, d, r, keep, FAST: tl.constexpr):
+    """The data bytes of ``x [BLOCK_R, 8 groups, 8 values]`` (float32) with their groups' divisors
+    ``d`` and reciprocals ``r`` ([BLOCK_R, 8, 1]): ``[BLOCK_R, 8, 4]`` int32 bytes, value ``2 b`` in
+    the low nibble of byte ``b``, ``2 b + 1`` in the high one; 0 where ``keep`` is false."""
+    lo, hi = tl.split(tl.reshape(x, [x.shape[0], 8, 4, 2]))
+    lo_abs, hi_abs = tl.abs(lo), tl.abs(hi)
+    if FAST:
+        cap = 8.0 * d
+        lo_y = _quotient(tl.minimum(lo_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True, True)
+        hi_y = _quotient(tl.minimum(hi_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True, True)
+    else:
+        d_ok = tl.where(keep, d, 1.0)  # groups not kept store 0 whatever the quotient: no 0 / 0 made
+        lo_y = _div_rn(lo_abs, d_ok)
+        hi_y = _div_rn(hi_abs, d_ok)
+    lo_code = _e2m1_code(lo_y) | ((lo.to(tl.int32, bitcast=True) >> 28) & 8)
+    hi_code = _e2m1_code(hi_y) | ((hi.to(tl.int32, bitcast=True) >> 28) & 8)
+    return tl.where(keep, lo_code | (hi_code << 4), 0)
+
+
+@triton.jit
+def _nvfp4_write(x_lo, x_hi, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDER: tl.constexpr,
+                 HW_CVT: tl.constexpr):
+    """Quantise the rows ``x [BLOCK_R, 128]`` (float32, loaded whole as ``x_lo``, ``x_hi``: values
+    ``16 j .. 16 j + 7`` and ``16 j + 8 .. 16 j + 15`` of group ``j`` at ``[:, j, :]``) with the total
+    scale ``s`` (a scalar) and store token ``o``'s 64 data bytes and 8 scale bytes into the NVFP4 slots
+    at ``slot_ptr [BLOCK_R]``. A group's values, scale and bytes stay in one thread: no shuffle for its
+    maximum, no layout change before the stores."""
     BLOCK_R: tl.constexpr = o.shape[0]
-    lo, hi = tl.split(tl.reshape(x, [BLOCK_R, 8, 8, 2]))  # [BLOCK_R, 8, 8]: values 2i and 2i + 1
     # amax with NaN kept (a plain hardware max drops NaN): a group holding a NaN gets the NaN scale.
-    amax = tl.reduce(tl.maximum(tl.abs(lo), tl.abs(hi), propagate_nan=tl.PropagateNan.ALL), 2, _max_keep_nan)
+    amax = _max_keep_nan(tl.reduce(tl.abs(x_lo), 2, _max_keep_nan), tl.reduce(tl.abs(x_hi), 2, _max_keep_nan))
     six_s = 6.0 * s
     # Markstein's quotients (see _quotient) are exact for divisors in [2**-60, 2**60] when nothing
     # overflows. With |s| in [2**-50, 2**50], 6 s is such a divisor, and so is every group's
@@ -1195,29 +1229,23 @@ def _nvfp4_write(x, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDER: tl.con
     # A zero or NaN scale (a NaN group, or a NaN scale tensor): every code of the group is 0. Told from
     # the bits: the interpreter decodes the e4m3 NaN as 480.
     keep = (((scale_bits & 0x7F) != 0) & ((scale_bits & 0x7F) != 0x7F))[:, :, None]
-    lo_abs, hi_abs = tl.abs(lo), tl.abs(hi)
     if fast:
         r = _div_rn(tl.full(d.shape, 1.0, tl.float32), d)
-        cap = 8.0 * d
-        lo_y = _quotient(tl.minimum(lo_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True)
-        hi_y = _quotient(tl.minimum(hi_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True)
     else:
-        d_ok = tl.where(keep, d, 1.0)  # groups not kept store 0 whatever the quotient: no 0 / 0 made
-        lo_y = _div_rn(lo_abs, d_ok)
-        hi_y = _div_rn(hi_abs, d_ok)
-    lo_code = _e2m1_code(lo_y) | ((lo.to(tl.int32, bitcast=True) >> 28) & 8)
-    hi_code = _e2m1_code(hi_y) | ((hi.to(tl.int32, bitcast=True) >> 28) & 8)
-    data = tl.reshape(tl.where(keep, lo_code | (hi_code << 4), 0), [BLOCK_R, 64]).to(tl.uint8)  # byte 8j + b
-    byte = tl.arange(0, 64)
-    tl.store(slot_ptr[:, None] + (o * 64)[:, None] + byte[None, :], data,
-             mask=ok[:, None] & (byte < 64)[None, :])
-    j = tl.arange(0, 8)
+        r = d
+    bytes_lo = _nvfp4_codes(x_lo, d, r, keep, fast)  # bytes 0..3 of each group
+    bytes_hi = _nvfp4_codes(x_hi, d, r, keep, fast)  # bytes 4..7
+    data = tl.reshape(tl.permute(tl.join(bytes_lo, bytes_hi), (0, 1, 3, 2)), [BLOCK_R, 8, 8]).to(tl.uint8)
+    group = tl.arange(0, 8)
+    byte = (group * 8)[None, :, None] + tl.arange(0, 8)[None, None, :]  # byte 8 j + b of the data row
+    tl.store(slot_ptr[:, None, None] + (o * 64)[:, None, None] + byte, data,
+             mask=ok[:, None, None] & (byte < 64))
     if V_ORDER:
         scale_pos = PAGE_SIZE * 64 + (o // 4) * 32 + o % 4
-        scale_ptrs = slot_ptr[:, None] + scale_pos[:, None] + (j * 4)[None, :]
+        scale_ptrs = slot_ptr[:, None] + scale_pos[:, None] + (group * 4)[None, :]
     else:
-        scale_ptrs = slot_ptr[:, None] + (PAGE_SIZE * 64 + o * 8)[:, None] + j[None, :]
-    tl.store(scale_ptrs, scale_bits.to(tl.uint8), mask=ok[:, None] & (j < 8)[None, :])
+        scale_ptrs = slot_ptr[:, None] + (PAGE_SIZE * 64 + o * 8)[:, None] + group[None, :]
+    tl.store(scale_ptrs, scale_bits.to(tl.uint8), mask=ok[:, None] & (group < 8)[None, :])
 
 
 _INSERT_ROWS = 16  # (token, KV head) rows per program of the cache writer

@@ -1,13 +1,20 @@
 """Compile the library's Triton kernels for sm_90 without a GPU, check their address arithmetic and
 report their resources.
 
-    python scripts/compile_sm90.py [--ttir-only] [--check-offsets] [--cases NAME ...] [--list]
+    python scripts/compile_sm90.py [--ttir-only] [--check-offsets] [--check-load-chains] [--cases NAME ...]
+                                   [--list]
 
 The launchers (``ops/*_triton``) run on small CPU tensors with a stand-in Triton driver whose target is
 sm_90: every ``KernelLaunch`` compiles its kernel exactly as the JIT would on an H100/H200 (same
-signature, same integer and alignment specialisation) and launches nothing. Per kernel it prints the
+signature, same integer and alignment specialisation, and the flags a launcher sets from the tensors'
+device, ``_GPU_ONLY_FLAGS``, as for CUDA tensors) and launches nothing. Per kernel it prints the
 registers and spills (``ptxas -v``) and the shared memory the launch asks for (against the 232,448
 bytes an sm_90 block may use).
+
+``--check-load-chains`` checks that in the cache writers (``LOADS_FIRST``) no load waits for another:
+no ``tt.load``'s pointer, mask or default derives from a value loaded from memory, so every load is
+issued at the program's start (a mask on the slot's validity would make the rows' loads wait for the
+slot's). Exit status 1 when one does.
 
 ``--check-offsets`` checks the offset rule of ``ops/_launch.py`` on the optimised TTIR: no 32-bit
 integer multiplication may reach an address (``tt.addptr``) when one of its operands derives from a
@@ -92,10 +99,14 @@ COMPILED: list[tuple[str, str, object]] = []  # (case, kernel name, CompiledKern
 _CASE = ["?"]
 
 
+_GPU_ONLY_FLAGS = ("USE_ASM", "HW_CVT")  # meta a launcher sets from the tensors' device: True on a GPU
+
+
 def _record(self, args):
     name = self.kernel.fn.__name__
+    meta = {k: (True if k in _GPU_ONLY_FLAGS else v) for k, v in self.meta.items()}  # as for CUDA tensors
     try:
-        compiled = self.kernel.warmup(*args, grid=self.grid, **self.meta, **self.options)
+        compiled = self.kernel.warmup(*args, grid=self.grid, **meta, **self.options)
         COMPILED.append((_CASE[0], name, compiled))
     except _StopAfterTTIR as stop:
         COMPILED.append((_CASE[0], name, stop.ttir))
@@ -206,6 +217,10 @@ def case_sparse_gqa():
             out = torch.empty(dh, hq, t, dtype=BF16 if q_dtype == BF16 else F16).permute(2, 1, 0)
             gqa_ops.sparse_gqa_decode_triton(q, cache, topk, bt, lens, lens, 1, 0.1, 1.0, 1.0, 1.0, out=out,
                                              num_splits=num_splits)
+    k = _strided((5, hkv, dh), BF16)
+    for cache in (torch.zeros(4, hkv, ps, 2 * dh, dtype=torch.float8_e4m3fn), torch.zeros(4, hkv, ps, 2 * dh),
+                  torch.zeros(4, 2 * hkv, ps, 72, dtype=torch.uint8)):  # float8, float32, NVFP4
+        gqa_ops.gqa_kv_cache_insert_triton(k, k, torch.zeros(5, dtype=I64), cache, 0.5, 2.0)
 
 
 CASES = {
@@ -293,6 +308,35 @@ def offset_violations(ttir: str) -> list[str]:
     return bad
 
 
+LOADS_FIRST = {"_kv_cache_insert_kernel", "_gqa_kv_cache_insert_kernel"}  # kernels --check-load-chains checks
+
+
+def load_chains(ttir: str) -> list[str]:
+    """The ``tt.load`` lines whose pointer, mask or default derives from a value another load returned."""
+    defs = {}  # value -> (op, operand names, line)
+    for line in ttir.splitlines():
+        m = _DEF.match(line)
+        if not m:
+            continue
+        name, op, rest = m.groups()
+        operands = _NAME.findall(rest.split(" loc(")[0].split(":")[0] if ":" in rest else rest)
+        defs[name] = (op, operands, line.strip())
+
+    loaded_cache: dict[str, bool] = {}
+
+    def loaded(v: str, depth=0) -> bool:
+        if v in loaded_cache or depth > 400:
+            return loaded_cache.get(v, False)
+        loaded_cache[v] = False  # cycles (loop-carried values) count as not loaded until proven otherwise
+        d = defs.get(v)
+        result = d is not None and (d[0] == "tt.load" or any(loaded(o, depth + 1) for o in d[1]))
+        loaded_cache[v] = result
+        return result
+
+    return [line.split(" loc(")[0] for op, operands, line in defs.values()
+            if op == "tt.load" and any(loaded(o) for o in operands)]
+
+
 # =====================================================================================================
 # Resource report
 # =====================================================================================================
@@ -322,6 +366,8 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
     parser.add_argument("--ttir-only", action="store_true", help="stop each compile after the TTIR")
     parser.add_argument("--check-offsets", action="store_true", help="exit 1 if a kernel breaks the offset rule")
+    parser.add_argument("--check-load-chains", action="store_true",
+                        help="exit 1 if a load of a cache writer waits for another load")
     parser.add_argument("--list", action="store_true", help="print each kernel's offending lines")
     args = parser.parse_args(argv)
     _ttir_only(args.ttir_only)
@@ -330,13 +376,16 @@ def main(argv=None) -> int:
         _CASE[0] = case
         CASES[case]()
 
-    failures = defaultdict(set)
+    failures, chains = defaultdict(set), defaultdict(set)
     print(f"{'case':<22} {'kernel':<36} {'regs':>5} {'spill B':>8} {'shared B':>9}")
     for case, name, compiled in COMPILED:
         ttir = compiled if isinstance(compiled, str) else compiled.asm["ttir"]
         if args.check_offsets:
             for line in offset_violations(ttir):
                 failures[(case, name)].add(line)
+        if args.check_load_chains and name in LOADS_FIRST:
+            for line in load_chains(ttir):
+                chains[(case, name)].add(line)
         if isinstance(compiled, str):
             continue
         regs, spill = _ptxas_usage(compiled.asm["ptx"])
@@ -351,8 +400,17 @@ def main(argv=None) -> int:
             if args.list:
                 for line in sorted(lines):
                     print(f"      {line}")
-        return 1
-    return 0
+    if chains:
+        print(f"a load waits for another in {len(chains)} cache writer(s):")
+        for (case, name), lines in sorted(chains.items()):
+            print(f"  {case}: {name}: {len(lines)} load(s) behind a loaded value")
+            if args.list:
+                for line in sorted(lines):
+                    print(f"      {line}")
+    if args.check_load_chains:
+        checked = sum(1 for _, name, _ in COMPILED if name in LOADS_FIRST)
+        print(f"{checked} cache-writer launches checked for load chains")
+    return 1 if failures or chains else 0
 
 
 if __name__ == "__main__":

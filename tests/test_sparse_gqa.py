@@ -755,6 +755,20 @@ def test_insert_nothing_to_write(kv_dtype):
     assert torch.equal(raw_bytes(cache), before)
 
 
+def test_writer_loads_wait_for_no_load():
+    """Both cache writers (this one and ``kv_cache_insert``) issue every load at their start: no load's
+    pointer, mask or default derives from a loaded value (``scripts/compile_sm90.py
+    --check-load-chains`` on their sm_90 TTIR). Until 2026-12-04 this writer masked the K and V rows'
+    loads by their slot's validity, which made them wait for the slot's load (0.3-0.4 µs a call on an
+    H200)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    result = run_offline_compile("compile_sm90.py", "--ttir-only", "--check-load-chains", "--list", "--cases",
+                                 "kv_cache", "sparse_gqa")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    checked = re.search(r"(\d+) cache-writer launches checked", result.stdout)
+    assert checked and int(checked.group(1)) >= 3 + 2, result.stdout[-2000:]  # GQA: 3 formats, MLA: several
+
+
 @pytest.mark.parametrize("kv_dtype", INSERT_FORMATS, ids=lambda d: DTYPE_NAMES[d])
 def test_insert_then_decode_round_trip(kv_dtype):
     """Tokens written by gqa_kv_cache_insert, read back by sparse_gqa_decode, give attention over the
