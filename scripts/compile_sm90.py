@@ -361,6 +361,19 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), (int(spill.group(1)) if spill else -1)
 
 
+def _report(found: dict, title: str, what: str, listing: bool) -> None:
+    """Print the kernels in ``found`` ((case, kernel) -> offending TTIR lines), with the lines if
+    ``listing``."""
+    if not found:
+        return
+    print(title.format(len(found)))
+    for (case, name), lines in sorted(found.items()):
+        print(f"  {case}: {name}: {len(lines)} {what}")
+        if listing:
+            for line in sorted(lines):
+                print(f"      {line}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
@@ -393,20 +406,8 @@ def main(argv=None) -> int:
         flag = "  > sm_90 limit" if shared > SM90_MAX_SHARED else ""
         print(f"{case:<22} {name:<36} {regs:>5} {spill:>8} {shared:>9}{flag}")
     print(f"{len(COMPILED)} launches compiled for sm_90 (triton {triton.__version__})")
-    if failures:
-        print(f"offset rule broken in {len(failures)} kernel(s):")
-        for (case, name), lines in sorted(failures.items()):
-            print(f"  {case}: {name}: {len(lines)} 32-bit product(s) reach an address")
-            if args.list:
-                for line in sorted(lines):
-                    print(f"      {line}")
-    if chains:
-        print(f"a load waits for another in {len(chains)} cache writer(s):")
-        for (case, name), lines in sorted(chains.items()):
-            print(f"  {case}: {name}: {len(lines)} load(s) behind a loaded value")
-            if args.list:
-                for line in sorted(lines):
-                    print(f"      {line}")
+    _report(failures, "offset rule broken in {} kernel(s):", "32-bit product(s) reach an address", args.list)
+    _report(chains, "a load waits for another in {} cache writer(s):", "load(s) behind a loaded value", args.list)
     if args.check_load_chains:
         checked = sum(1 for _, name, _ in COMPILED if name in LOADS_FIRST)
         print(f"{checked} cache-writer launches checked for load chains")
