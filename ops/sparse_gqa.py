@@ -1203,7 +1203,7 @@ def _nvfp4_write(x_lo, x_hi, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDE
     ``16 j .. 16 j + 7`` and ``16 j + 8 .. 16 j + 15`` of group ``j`` at ``[:, j, :]``) with the total
     scale ``s`` (a scalar) and store token ``o``'s 64 data bytes and 8 scale bytes into the NVFP4 slots
     at ``slot_ptr [BLOCK_R]``. A group's values, scale and bytes stay in one thread: no shuffle for its
-    maximum, no layout change before the stores."""
+    maximum, no layout change (through shared memory) before the data bytes' stores."""
     BLOCK_R: tl.constexpr = o.shape[0]
     # amax with NaN kept (a plain hardware max drops NaN): a group holding a NaN gets the NaN scale.
     amax = _max_keep_nan(tl.reduce(tl.abs(x_lo), 2, _max_keep_nan), tl.reduce(tl.abs(x_hi), 2, _max_keep_nan))
@@ -1232,7 +1232,7 @@ def _nvfp4_write(x_lo, x_hi, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDE
     if fast:
         r = _div_rn(tl.full(d.shape, 1.0, tl.float32), d)
     else:
-        r = d
+        r = d  # unused: the exact path divides
     bytes_lo = _nvfp4_codes(x_lo, d, r, keep, fast)  # bytes 0..3 of each group
     bytes_hi = _nvfp4_codes(x_hi, d, r, keep, fast)  # bytes 4..7
     data = tl.reshape(tl.permute(tl.join(bytes_lo, bytes_hi), (0, 1, 3, 2)), [BLOCK_R, 8, 8]).to(tl.uint8)
