@@ -253,10 +253,10 @@ def _is_i32(ty: str) -> bool:
     return ty == "i32" or bool(re.search(r"x?i32>$", ty))
 
 
-def offset_violations(ttir: str) -> list[str]:
-    """32-bit multiplications that reach an address and involve an argument or a loaded value."""
-    defs = {}  # value -> (op, operand names, result type, line)
-    params = set()
+def _ttir_defs(ttir: str) -> tuple[dict, set]:
+    """``(defs, params)`` of a TTIR text: each defined value -> (op, operand names, result type, line),
+    and the kernel's parameter names."""
+    defs, params = {}, set()
     for line in ttir.splitlines():
         if "tt.func" in line:
             params.update(re.findall(r"(%[\w.$-]+):", line))
@@ -267,6 +267,12 @@ def offset_violations(ttir: str) -> list[str]:
         name, op, rest = m.groups()
         operands = _NAME.findall(rest.split(" loc(")[0].split(":")[0] if ":" in rest else rest)
         defs[name] = (op, operands, _result_type(rest), line.strip())
+    return defs, params
+
+
+def offset_violations(ttir: str) -> list[str]:
+    """32-bit multiplications that reach an address and involve an argument or a loaded value."""
+    defs, params = _ttir_defs(ttir)
 
     tainted_cache: dict[str, bool] = {}
 
@@ -313,14 +319,7 @@ LOADS_FIRST = {"_kv_cache_insert_kernel", "_gqa_kv_cache_insert_kernel"}  # kern
 
 def load_chains(ttir: str) -> list[str]:
     """The ``tt.load`` lines whose pointer, mask or default derives from a value another load returned."""
-    defs = {}  # value -> (op, operand names, line)
-    for line in ttir.splitlines():
-        m = _DEF.match(line)
-        if not m:
-            continue
-        name, op, rest = m.groups()
-        operands = _NAME.findall(rest.split(" loc(")[0].split(":")[0] if ":" in rest else rest)
-        defs[name] = (op, operands, line.strip())
+    defs, _ = _ttir_defs(ttir)
 
     loaded_cache: dict[str, bool] = {}
 
@@ -333,7 +332,7 @@ def load_chains(ttir: str) -> list[str]:
         loaded_cache[v] = result
         return result
 
-    return [line.split(" loc(")[0] for op, operands, line in defs.values()
+    return [line.split(" loc(")[0] for op, operands, _, line in defs.values()
             if op == "tt.load" and any(loaded(o) for o in operands)]
 
 
