@@ -35,6 +35,7 @@ SMOKE_ROWS = (4,)  # smoke=True: tiny configurations (SMOKE_CONTEXT_PAGES pages 
 SMOKE_CONTEXT_PAGES = 4
 FORMATS = ("fp8", "nvfp4")
 INSERT_TOKENS = 4096
+INSERT_ROWS_TOKENS = (64, INSERT_TOKENS)  # the writer's rows: a decode step's batch, and a long prefill
 KEY_BYTES = {"fp8": 2 * HEAD_DIM, "nvfp4": 2 * 72}  # K and V of one key of one KV head
 
 _BASELINES = {"fp8": baselines.gqa_fp8, "nvfp4": baselines.gqa_nvfp4}
@@ -196,4 +197,5 @@ def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Ite
     for kv_format in FORMATS:
         yield from _decode_cases(kv_format, quick, device, smoke)
     for kv_format in FORMATS:
-        yield _insert_case(kv_format, device, tokens=64 if smoke else INSERT_TOKENS)
+        for tokens in (64,) if smoke else INSERT_ROWS_TOKENS:
+            yield _insert_case(kv_format, device, tokens=tokens)
