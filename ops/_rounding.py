@@ -1,10 +1,13 @@
-"""Bit-exact float conversions for the Triton kernels that write caches (``kv_cache_insert``,
-``gqa_kv_cache_insert``), shared so both round the same way.
+"""Bit-exact float conversions for the Triton kernels that write and read caches (``kv_cache_insert``,
+``kv_cache_gather``, ``gqa_kv_cache_insert``), shared so that they all round the same way.
 
-Why integer arithmetic: the Triton interpreter truncates in ``.to(float8 / bfloat16)`` while the GPU
-rounds to nearest even, and the written bytes must be identical on every backend. These functions
-compute the rounded bit pattern from the float32 bits with integer operations only, so the GPU and the
-interpreter give the same bits, and those bits equal PyTorch's round-to-nearest-even conversions.
+Two routes to the same bits, chosen by each kernel's ``HW_CVT`` launch flag:
+- on the GPU, the hardware conversions (``cvt.rn.satfinite`` to e4m3, ``cvt.rn`` to bf16 / fp16: round
+  to nearest even), with NaN replaced by the format's canonical pattern;
+- under the Triton interpreter, which truncates in ``.to(float8 / bfloat16)``, integer routines
+  (``round_to_small_float``) that compute the rounded bit pattern from the float32 bits.
+Both equal PyTorch's round-to-nearest-even conversions, which the CPU kernels use; the tests compare
+the bytes of all three.
 """
 
 from __future__ import annotations
@@ -64,3 +67,73 @@ def load_as_f32(ptrs, mask, IS_BF16: tl.constexpr):
         return (tl.load(ptrs, mask=mask, other=0).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     else:
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def clamp_keep_nan(x, bound):
+    """``x`` clamped to ``[-bound, bound]``, NaN kept (the GPU's plain min / max return the other
+    operand for a NaN, the interpreter's keep it: without ``propagate_nan`` the two backends differ)."""
+    x = tl.maximum(x, -bound, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(x, bound, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def e4m3_byte(y, HW_CVT: tl.constexpr):
+    """int32 e4m3fn bits of float32 ``y`` already clamped to [-448, 448]: round to nearest even; NaN -> 0x7F.
+    On the GPU the hardware conversion (round to nearest even, the same bits); under the interpreter,
+    which truncates in ``.to()``, the integer routine (``e4m3_bits``)."""
+    if HW_CVT:
+        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+    else:
+        bits = e4m3_bits(y)
+    return tl.where(y != y, 0x7F, bits)
+
+
+# Four float32 values ($1..$4) to four e4m3fn bytes in one register ($0, value i in byte i): the
+# saturating conversion (round to nearest even; beyond +-448, infinities included, +-448), then every
+# NaN byte (low seven bits all set) loses its sign bit, so that NaN is stored as 0x7F. Adding 1 to a
+# byte's low seven bits carries into its bit 7 exactly when they are all set, and never into the next
+# byte.
+F32X4_TO_E4M3X4 = tl.constexpr("""{
+.reg .b16 lo, hi;
+.reg .b32 w, t;
+cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
+cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
+mov.b32 w, {lo, hi};
+and.b32 t, w, 0x7F7F7F7F;
+add.u32 t, t, 0x01010101;
+and.b32 t, t, 0x80808080;
+not.b32 t, t;
+and.b32 $0, w, t;
+}""")
+
+
+@triton.jit
+def e4m3_bytes(y, HW_CVT: tl.constexpr):
+    """uint8 e4m3fn bytes of float32 ``y``: round to nearest even, saturating at +-448, NaN -> 0x7F.
+    On the GPU four values per conversion sequence (``F32X4_TO_E4M3X4``: the saturating hardware
+    conversion makes the clamp, and the bytes come out packed); under the interpreter the clamp and
+    the integer routine."""
+    if HW_CVT:
+        return tl.inline_asm_elementwise(F32X4_TO_E4M3X4, "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True,
+                                         pack=4)
+    else:
+        return e4m3_byte(clamp_keep_nan(y, 448.0), False).to(tl.uint8)
+
+
+@triton.jit
+def half_bits(x, STORE: tl.constexpr, HW_CVT: tl.constexpr):
+    """int16 bits of float32 ``x`` rounded to bfloat16 (STORE 1) or float16 (STORE 2), round to nearest
+    even; NaN -> the canonical NaN. Hardware conversion on the GPU, integer routine in the interpreter."""
+    if STORE == 1:
+        if HW_CVT:
+            bits = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
+        else:
+            bits = bf16_bits(x).to(tl.int16)
+        return tl.where(x != x, 0x7FC0, bits).to(tl.int16)
+    else:
+        if HW_CVT:
+            bits = x.to(tl.float16).to(tl.int16, bitcast=True)
+        else:
+            bits = f16_bits(x).to(tl.int16)
+        return tl.where(x != x, 0x7E00, bits).to(tl.int16)

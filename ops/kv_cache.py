@@ -9,10 +9,12 @@ one (quantisation) lives here.
 Both backends produce the same bytes:
 - divisions are IEEE round-to-nearest (``tl.math.div_rn`` in Triton: ``/`` is an approximate division
   on the GPU);
-- every float -> e4m3 / bf16 / fp16 rounding in Triton is done on the float32 bit pattern by
-  ``round_to_small_float`` (``ops/_rounding.py``; round to nearest even, saturating), because the
-  Triton interpreter truncates in ``.to()`` while the GPU rounds; the PyTorch side uses torch's RNE
-  conversions;
+- every float -> e4m3 / bf16 / fp16 rounding in Triton rounds to nearest even, saturating
+  (``ops/_rounding.py``): on the GPU by the hardware conversions (``HW_CVT``), under the Triton
+  interpreter, which truncates in ``.to()``, by integer arithmetic on the float32 bit pattern
+  (``round_to_small_float``); the PyTorch side uses torch's RNE conversions;
+- an "auto" cache written from a tensor of its own dtype is a copy of the bits (``COPY``; NaN made
+  canonical), with no conversion;
 - the UE8M0 exponent ``ceil(log2(y))`` is read from the exponent and mantissa bits of ``y`` (exact;
   ``log2`` is approximate on the GPU);
 - bf16 inputs are widened by a shift of their bits (the interpreter's ``.to(float32)`` widens bf16
@@ -33,9 +35,8 @@ import torch
 from ..meta_kernels._formats import FORMAT_IDS, cache_dim
 from ._formats import dequantize_torch, load_kv_cols, written_slots
 from ._launch import KernelLaunch, PlanCache, cdiv, next_pow2, prev_pow2
-from ._rounding import bf16_bits as _bf16_bits
-from ._rounding import e4m3_bits as _e4m3_bits
-from ._rounding import f16_bits as _f16_bits
+from ._rounding import e4m3_bytes as _e4m3_bytes_tl
+from ._rounding import half_bits as _half_bits
 from ._rounding import load_as_f32 as _load_as_f32
 from ._triton import tl, triton
 
@@ -185,14 +186,13 @@ def _store_bytes(ptr, bits, NBYTES: tl.constexpr, mask):
 
 
 @triton.jit
-def _store_converted(ptrs, x, mask, STORE_DTYPE: tl.constexpr):
-    """Write float32 ``x``: as float32, or as the int16 bits of bf16 / fp16 (RNE) through an int16 view."""
+def _store_converted(ptrs, x, mask, STORE_DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
+    """Write float32 ``x``: as float32, or as the int16 bits of bf16 / fp16 (RNE; hardware conversions
+    with ``HW_CVT``, the integer routine otherwise) through an int16 view."""
     if STORE_DTYPE == 0:
         tl.store(ptrs, _canonical_f32(x), mask=mask)
-    elif STORE_DTYPE == 1:
-        tl.store(ptrs, _bf16_bits(x).to(tl.int16), mask=mask)
     else:
-        tl.store(ptrs, _f16_bits(x).to(tl.int16), mask=mask)
+        tl.store(ptrs, _half_bits(x, STORE_DTYPE, HW_CVT), mask=mask)
 
 
 @triton.jit
@@ -206,6 +206,9 @@ def _kv_cache_insert_kernel(
     KV_IS_BF16: tl.constexpr,
     STORE_DTYPE: tl.constexpr,  # auto only: _STORE_* code of the cache dtype
     BLOCK_D: tl.constexpr,  # auto only: dims per step
+    COPY: tl.constexpr,  # auto only: kv has the cache's dtype; both are passed as int bits, copied
+    ABS_MASK: tl.constexpr, INF_BITS: tl.constexpr, NAN_BITS: tl.constexpr,  # COPY: the dtype's patterns
+    HW_CVT: tl.constexpr,  # hardware float conversions (GPU); integer rounding under the interpreter
 ):
     # fp8 formats: the quantised dims come in NUM_TILES tiles of TILE dims (one scale each), padded to
     # TILES_P2 tiles for the register tile; the 64 bf16 dims follow them.
@@ -231,7 +234,10 @@ def _kv_cache_insert_kernel(
     kv_row = kv_ptr + i * stride_kv_n
     if KV_FORMAT == 0:
         c = tl.arange(0, BLOCK_D)
-        x0 = _load_as_f32(kv_row + c * stride_kv_d, c < dim, KV_IS_BF16)  # the first BLOCK_D dims
+        if COPY:  # the first BLOCK_D dims
+            x0 = tl.load(kv_row + c * stride_kv_d, mask=c < dim, other=0)
+        else:
+            x0 = _load_as_f32(kv_row + c * stride_kv_d, c < dim, KV_IS_BF16)
     else:
         t = tl.arange(0, TILES_P2)
         cols = t[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [TILES_P2, TILE]
@@ -246,12 +252,19 @@ def _kv_cache_insert_kernel(
     page_base = page * stride_page  # int64
     if KV_FORMAT == 0:
         row_ptr = cache_ptr + page_base + row * stride_row
-        _store_converted(row_ptr + c, x0, (c < dim) & ok, STORE_DTYPE)
+        if COPY:
+            tl.store(row_ptr + c, _canonical_bits(x0, ABS_MASK, INF_BITS, NAN_BITS), mask=(c < dim) & ok)
+        else:
+            _store_converted(row_ptr + c, x0, (c < dim) & ok, STORE_DTYPE, HW_CVT)
         for c0 in range(BLOCK_D, dim, BLOCK_D):  # D > BLOCK_D (1,024) only
             cols = c0 + tl.arange(0, BLOCK_D)
             live = cols < dim
-            x1 = _load_as_f32(kv_row + cols * stride_kv_d, live, KV_IS_BF16)
-            _store_converted(row_ptr + cols, x1, live & ok, STORE_DTYPE)
+            if COPY:
+                x1 = tl.load(kv_row + cols * stride_kv_d, mask=live, other=0)
+                tl.store(row_ptr + cols, _canonical_bits(x1, ABS_MASK, INF_BITS, NAN_BITS), mask=live & ok)
+            else:
+                x1 = _load_as_f32(kv_row + cols * stride_kv_d, live, KV_IS_BF16)
+                _store_converted(row_ptr + cols, x1, live & ok, STORE_DTYPE, HW_CVT)
     else:
         record = cache_ptr + page_base + row * ROW_BYTES
         ax = tl.abs(x)
@@ -260,18 +273,19 @@ def _kv_cache_insert_kernel(
         e4m3_max = tl.full([TILES_P2], 448.0, tl.float32)
         if KV_FORMAT == 1:
             scale = tl.maximum(tl.math.div_rn(amax, e4m3_max), 1.1754943508222875e-38)
-            q = _e4m3_bits(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [TILES_P2, TILE])))
+            q = _e4m3_bytes_tl(tl.math.div_rn(x, tl.broadcast_to(scale[:, None], [TILES_P2, TILE])), HW_CVT)
             _store_bytes(record + 512, scale.to(tl.int32, bitcast=True), 4, (t < NUM_TILES)[:, None] & ok)
         else:
             y_bits = tl.math.div_rn(tl.maximum(amax, 1e-4), e4m3_max).to(tl.int32, bitcast=True)
             e = ((y_bits >> 23) & 0xFF) - 127 + ((y_bits & 0x7FFFFF) != 0).to(tl.int32)
             inv_scale = (tl.minimum(tl.maximum(127 - e, 1), 254) << 23).to(tl.float32, bitcast=True)
-            q = _e4m3_bits(x * inv_scale[:, None])
+            q = _e4m3_bytes_tl(x * inv_scale[:, None], HW_CVT)
             exps = tl.where(t < NUM_TILES, tl.minimum(tl.maximum(e + 127, 0), 255), 0)  # 8th byte: 0
             tl.store(cache_ptr + page_base + page_size * 576 + row * 8 + t, exps.to(tl.uint8), mask=(t >= 0) & ok)
-        tl.store(record + cols, q.to(tl.uint8), mask=in_tile & ok)
+        tl.store(record + cols, q, mask=in_tile & ok)
         # fp8_656: after the 512 e4m3 bytes and 16 scale bytes; fp8_584: after the 448 e4m3 bytes
-        _store_bytes(record + (528 if KV_FORMAT == 1 else 448), _bf16_bits(rope), 2, (r < 64)[:, None] & ok)
+        _store_bytes(record + (528 if KV_FORMAT == 1 else 448), _half_bits(rope, 1, HW_CVT).to(tl.int32), 2,
+                     (r < 64)[:, None] & ok)
 
 
 def _int16_view_of_bf16(t: torch.Tensor) -> torch.Tensor:
@@ -289,14 +303,18 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
         store = _STORE_CODES[kv_cache.dtype] if kv_format == "auto" else _STORE_F32
         # bf16/fp16 are moved as their int16 bits (the kernels round and widen by hand, see above); the
         # plan is made with the int16 views, and later calls pass the tensors themselves (KernelLaunch).
-        kv_in = _int16_view_of_bf16(kv)
-        cache = kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
+        # An "auto" cache written with its own dtype is a copy of the bits (NaN made canonical).
+        copy = kv_format == "auto" and kv.dtype == kv_cache.dtype
+        int_dtype, abs_mask, inf_bits, nan_bits = _copy_bits(kv.dtype) if copy else (None, 0, 0, 0)
+        kv_in = kv.view(int_dtype) if copy else _int16_view_of_bf16(kv)
+        cache = kv_cache.view(int_dtype) if copy else kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
         pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
         dim = kv.shape[1]
         args = (kv_in, kv.stride(0), kv.stride(1), slot_mapping, slot_mapping.stride(0),
                 cache, kv_cache.stride(0), kv_cache.stride(1), pages * page_size, page_size, dim)
         meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16, STORE_DTYPE=store,
-                    BLOCK_D=min(next_pow2(max(dim, 1)), 1024))
+                    BLOCK_D=min(next_pow2(max(dim, 1)), 1024), COPY=copy, ABS_MASK=abs_mask, INF_BITS=inf_bits,
+                    NAN_BITS=nan_bits, HW_CVT=kv.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_insert_kernel, (n,), args, meta, num_warps=4,
                                               device=kv.device, reinterpret=True))
     launch(kv, slot_mapping, kv_cache)
@@ -313,6 +331,7 @@ def _kv_cache_gather_kernel(
     KV_FORMAT: tl.constexpr,
     STORE_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # slots per program
+    HW_CVT: tl.constexpr,  # hardware float conversions (GPU); integer rounding under the interpreter
 ):
     stride_slots = tl.cast(stride_slots, tl.int64)  # the offset rule (ops/_launch.py); load_kv_cols
     stride_out_n = tl.cast(stride_out_n, tl.int64)  # widens the cache's strides itself
@@ -325,7 +344,7 @@ def _kv_cache_gather_kernel(
         vals = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, c0, CHUNK, DIM, KV_FORMAT)
         cols = c0 + tl.arange(0, CHUNK)
         ptrs = out_ptr + rows[:, None] * stride_out_n + cols[None, :] * stride_out_d
-        _store_converted(ptrs, vals, live[:, None] & (cols < DIM)[None, :], STORE_DTYPE)
+        _store_converted(ptrs, vals, live[:, None] & (cols < DIM)[None, :], STORE_DTYPE, HW_CVT)
 
 
 @triton.jit
@@ -437,7 +456,8 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
                 kv_cache.shape[1], slots, slots.stride(0), out_bits, out.stride(0), out.stride(1), n)
         chunk = min(_GATHER_MAX_CHUNK, next_pow2(dim))
         block_n = _gather_slots(n, _GATHER_TILE // chunk)
-        meta = dict(DIM=dim, CHUNK=chunk, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store, BLOCK_N=block_n)
+        meta = dict(DIM=dim, CHUNK=chunk, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store, BLOCK_N=block_n,
+                    HW_CVT=out.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, block_n),), args, meta,
                                               num_warps=4, device=out.device, reinterpret=True))
     launch(kv_cache, slots, out)

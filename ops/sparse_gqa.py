@@ -52,6 +52,10 @@ from ._formats import e2m1_reencode_ptx, e4m3_to_float32, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2,
                       scratch, wait_for_prior_grid)
 from ._rounding import bf16_bits, e4m3_bits, f16_bits, load_as_f32
+from ._rounding import clamp_keep_nan as _clamp_keep_nan
+from ._rounding import e4m3_byte as _e4m3_byte
+from ._rounding import e4m3_bytes as _e4m3_bytes
+from ._rounding import half_bits as _half_bits
 from ._triton import tl, triton
 from . import sparse_gqa_hopper as hopper
 
@@ -996,68 +1000,6 @@ def _quotient(x, d, r, FAST: tl.constexpr, NONNEG: tl.constexpr = False):
 
 
 @triton.jit
-def _e4m3_byte(y, HW_CVT: tl.constexpr):
-    """int32 e4m3fn bits of float32 ``y`` already clamped to [-448, 448]: round to nearest even; NaN -> 0x7F.
-    On the GPU the hardware conversion (round to nearest even, the same bits); under the interpreter,
-    which truncates in ``.to()``, the integer routine of ops/_rounding.py."""
-    if HW_CVT:
-        bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
-    else:
-        bits = e4m3_bits(y)
-    return tl.where(y != y, 0x7F, bits)
-
-
-# Four float32 values ($1..$4) to four e4m3fn bytes in one register ($0, value i in byte i): the
-# saturating conversion (round to nearest even; beyond +-448, infinities included, +-448), then every
-# NaN byte (low seven bits all set) loses its sign bit, so that NaN is stored as 0x7F. Adding 1 to a
-# byte's low seven bits carries into its bit 7 exactly when they are all set, and never into the next
-# byte.
-F32X4_TO_E4M3X4 = tl.constexpr("""{
-.reg .b16 lo, hi;
-.reg .b32 w, t;
-cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;
-cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;
-mov.b32 w, {lo, hi};
-and.b32 t, w, 0x7F7F7F7F;
-add.u32 t, t, 0x01010101;
-and.b32 t, t, 0x80808080;
-not.b32 t, t;
-and.b32 $0, w, t;
-}""")
-
-
-@triton.jit
-def _e4m3_bytes(y, HW_CVT: tl.constexpr):
-    """uint8 e4m3fn bytes of float32 ``y``: round to nearest even, saturating at +-448, NaN -> 0x7F.
-    On the GPU four values per conversion sequence (``F32X4_TO_E4M3X4``: the saturating hardware
-    conversion makes the clamp, and the bytes come out packed); under the interpreter the clamp and
-    the integer routine."""
-    if HW_CVT:
-        return tl.inline_asm_elementwise(F32X4_TO_E4M3X4, "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True,
-                                         pack=4)
-    else:
-        return _e4m3_byte(_clamp_keep_nan(y, 448.0), False).to(tl.uint8)
-
-
-@triton.jit
-def _half_bits(x, STORE: tl.constexpr, HW_CVT: tl.constexpr):
-    """int16 bits of float32 ``x`` rounded to bfloat16 (STORE 1) or float16 (STORE 2), round to nearest
-    even; NaN -> the canonical NaN. Hardware conversion on the GPU, integer routine in the interpreter."""
-    if STORE == 1:
-        if HW_CVT:
-            bits = x.to(tl.bfloat16).to(tl.int16, bitcast=True)
-        else:
-            bits = bf16_bits(x).to(tl.int16)
-        return tl.where(x != x, 0x7FC0, bits).to(tl.int16)
-    else:
-        if HW_CVT:
-            bits = x.to(tl.float16).to(tl.int16, bitcast=True)
-        else:
-            bits = f16_bits(x).to(tl.int16)
-        return tl.where(x != x, 0x7E00, bits).to(tl.int16)
-
-
-@triton.jit
 def _e2m1_code(y):
     """int32 magnitude code (0..7) of the E2M1 value nearest to float32 ``y >= 0`` (ties to the even
     code, above 6 -> 7), from the bits: ``y >= 1`` rounds its mantissa to one bit (a carry moves into
@@ -1161,14 +1103,6 @@ def _gqa_kv_cache_insert_kernel(
         k_slot = cache_ptr + page * stride_c_p + (2 * g) * stride_c_h
         _nvfp4_write(k_lo, k_hi, ks, k_slot, o, ok, PAGE_SIZE, False, HW_CVT)
         _nvfp4_write(v_lo, v_hi, vs, k_slot + stride_c_h, o, ok, PAGE_SIZE, True, HW_CVT)
-
-
-@triton.jit
-def _clamp_keep_nan(x, bound):
-    """``x`` clamped to ``[-bound, bound]``, NaN kept (the GPU's plain min / max return the other
-    operand for a NaN, the interpreter's keep it: without ``propagate_nan`` the two backends differ)."""
-    x = tl.maximum(x, -bound, propagate_nan=tl.PropagateNan.ALL)
-    return tl.minimum(x, bound, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit

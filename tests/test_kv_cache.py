@@ -377,6 +377,31 @@ def test_interpreter_non_finite(kv_format, kv_dtype):
         assert torch.equal(int_bits(got), int_bits(naive_gather(source, torch.arange(6), kv_format, dtype)))
 
 
+@requires_interpreter
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_interpreter_rounding(kv_format):
+    """The integer rounding of the Triton kernels (which the interpreter runs) on the close calls of
+    ``make_rounding_kv``: the same bytes as the PyTorch kernel from every input dtype into every cache
+    dtype, and the same bits gathered back into every dtype."""
+    cache_dtypes = (BF16, F16, F32) if kv_format == "auto" else (BF16,)
+    for kv_dtype in (F32, BF16):
+        kv = make_rounding_kv(kv_format, seed=52).to(kv_dtype)
+        n = kv.shape[0]
+        slots = torch.randperm(3 * n, generator=torch.Generator().manual_seed(n))[:n]
+        for cache_dtype in cache_dtypes:
+            got = ref.make_cache(n, 3, kv_format, dtype=cache_dtype, page_pad=7)
+            want = ref.make_cache(n, 3, kv_format, dtype=cache_dtype, page_pad=7)
+            kernels.kv_cache_insert_triton(kv, slots, got, kv_format)
+            kernels.kv_cache_insert_torch(kv, slots, want, kv_format)
+            assert_same_bytes(got, want)
+            # (the interpreter widens bf16 subnormals wrongly in ``.to(float32)``, which the gather from
+            # an "auto" bf16 cache into another dtype uses; the CUDA test covers that path)
+            for dtype in (BF16,) if kv_format == "auto" and cache_dtype == BF16 else (BF16, F16, F32):
+                out = poison(torch.empty(n, FMT_DIM[kv_format], dtype=dtype))
+                kernels.kv_cache_gather_triton(got, slots, kv_format, dtype, out=out)
+                assert torch.equal(int_bits(out), int_bits(naive_gather(want, slots, kv_format, dtype)))
+
+
 @pytest.fixture(params=[1024, 4], ids=["slots_per_program_1", "slots_per_program_4"])
 def gather_slots(request, monkeypatch):
     """Slots per program of the gather kernels: one (small calls, as planned) or four (a large call's
@@ -682,6 +707,95 @@ def test_cuda_parity(kv_format, layout):
             want = tsm.kv_cache_gather(cpu, slots, kv_format=kv_format, dtype=dtype)
             got = tsm.kv_cache_gather(gpu, slots.int().cuda(), kv_format=kv_format, dtype=dtype)
             assert torch.equal(got.cpu(), want)
+
+
+def make_rounding_kv(kv_format: str, seed: int) -> torch.Tensor:
+    """float32 rows whose every rounding is a close call. fp8 formats: each quantised tile holds +-448
+    times a power of two ``2**k`` (so the scale is exactly ``2**k`` in both formats) and, times the same
+    ``2**k``, every e4m3 value, every midpoint of two neighbouring e4m3 values (subnormal ones included)
+    and the floats just above and below each midpoint, with random signs; the bf16 dims hold exact bf16
+    ties and their neighbours. "auto": random float32 bit patterns (every class: subnormal, NaN, inf)
+    and exact bf16 and fp16 ties with their neighbours."""
+    g = torch.Generator().manual_seed(seed)
+    sign = lambda t: torch.where(torch.rand(t.shape, generator=g) < 0.5, -t, t)  # noqa: E731
+    bf16_ties = ((torch.randint(0, 0x7F7F, (256,), generator=g, dtype=torch.int32) << 16) | 0x8000).view(F32)
+    bf16_ties = torch.cat([bf16_ties, torch.nextafter(bf16_ties, torch.zeros(1)),
+                           torch.nextafter(bf16_ties, torch.full((1,), float("inf")))])
+    if kv_format == "auto":
+        bits = torch.randint(-(2**31), 2**31 - 1, (3 * 576,), generator=g, dtype=torch.int64).to(torch.int32)
+        h = torch.randint(0, 0x7BFF, (256,), generator=g, dtype=torch.int16).view(F16).double()
+        ulp = (torch.nextafter(h.to(F16), torch.full((1,), 65504.0, dtype=F16)).double() - h)
+        f16_ties = (h + ulp / 2).float()  # exact in float32
+        f16_ties = torch.cat([f16_ties, torch.nextafter(f16_ties, torch.zeros(1))])
+        vals = torch.cat([bits.view(F32), sign(bf16_ties), sign(f16_ties)])
+        vals = torch.cat([vals, torch.zeros((-vals.numel()) % 576)])
+        return vals[torch.randperm(vals.numel(), generator=g)].view(-1, 576)
+    e4m3 = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    mids = (e4m3[:-1] + e4m3[1:]) / 2
+    cands = torch.cat([e4m3, mids, torch.nextafter(mids, torch.zeros(1)), torch.nextafter(mids, e4m3[-1:])])
+    tiles, tile = (4, 128) if kv_format == "fp8_656" else (7, 64)
+    per_row = tiles * (tile - 1)
+    rows = -(-cands.numel() // per_row)
+    vals = torch.cat([cands, cands[torch.randint(0, cands.numel(), (rows * per_row - cands.numel(),), generator=g)]])
+    body = sign(vals[torch.randperm(vals.numel(), generator=g)].view(rows, tiles, tile - 1))
+    top = sign(torch.full((rows, tiles, 1), 448.0))
+    scale = 2.0 ** torch.randint(-20, 21, (rows, tiles, 1), generator=g).float()
+    quantised = (torch.cat([top, body], dim=2) * scale).view(rows, tiles * tile)
+    rope = sign(bf16_ties[torch.randint(0, bf16_ties.numel(), (rows, 64), generator=g)])
+    return torch.cat([quantised, rope], dim=1)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_cuda_rounding_and_non_finite(kv_format):
+    """The hardware conversions of the CUDA kernels round every close call as the CPU kernels do, and
+    store the same canonical NaN and saturated bytes: inserts of ``make_rounding_kv`` and
+    ``make_non_finite_kv`` rows from every input dtype into every cache dtype ("auto") write the same
+    bytes, and gathers of those caches and of ``non_finite_cache`` into every dtype read the same bits."""
+    cache_dtypes = (BF16, F16, F32) if kv_format == "auto" else (BF16,)
+    for kv_dtype in (F32, BF16, F16):
+        rounding = make_rounding_kv(kv_format, seed=50)
+        if kv_dtype == F16:  # keep the fp16 input finite where the float32 one is
+            rounding = rounding.clamp(-65504.0, 65504.0) if kv_format == "auto" else rounding * 2.0**-30
+        for kv in (rounding.to(kv_dtype), make_non_finite_kv(6, FMT_DIM[kv_format], kv_dtype, seed=51)):
+            for cache_dtype in cache_dtypes:
+                n = kv.shape[0]
+                cpu = ref.make_cache(-(-n // 3) + 1, 3, kv_format, dtype=cache_dtype, page_pad=7)
+                gpu = ref.make_cache(-(-n // 3) + 1, 3, kv_format, dtype=cache_dtype, page_pad=7, device="cuda")
+                slots = torch.randperm(cpu.shape[0] * 3, generator=torch.Generator().manual_seed(n))[:n]
+                tsm.kv_cache_insert(kv, slots, cpu, kv_format=kv_format)
+                tsm.kv_cache_insert(kv.cuda(), slots.cuda(), gpu, kv_format=kv_format)
+                assert_same_bytes(gpu, cpu)
+                for dtype in (BF16, F16, F32):
+                    want = tsm.kv_cache_gather(cpu, slots, kv_format=kv_format, dtype=dtype)
+                    got = tsm.kv_cache_gather(gpu, slots.cuda(), kv_format=kv_format, dtype=dtype)
+                    assert torch.equal(int_bits(got.cpu()), int_bits(want))
+    source = non_finite_cache(kv_format)
+    for dtype in (BF16, F16, F32):
+        want = tsm.kv_cache_gather(source, torch.arange(6), kv_format=kv_format, dtype=dtype)
+        got = tsm.kv_cache_gather(source.cuda(), torch.arange(6, device="cuda"), kv_format=kv_format, dtype=dtype)
+        assert torch.equal(int_bits(got.cpu()), int_bits(want))
+
+
+def test_rounding_kv_hits_ties():
+    """``make_rounding_kv`` holds what it promises: exact e4m3 midpoints (fp8 formats, after the
+    tile's power of two) and exact bf16 ties (the bf16 dims and "auto")."""
+    for kv_format in ref.FORMATS:
+        x = make_rounding_kv(kv_format, seed=50)
+        bf16 = x if kv_format == "auto" else x[:, -64:]  # the bf16 dims of the fp8 formats
+        ties = ((bf16.contiguous().view(torch.int32) & 0xFFFF) == 0x8000).sum().item()
+        assert ties >= (200 if kv_format == "auto" else bf16.numel() // 5), kv_format
+        if kv_format != "auto":
+            tiles, tile = (4, 128) if kv_format == "fp8_656" else (7, 64)
+            q = x[:, : tiles * tile].view(x.shape[0], tiles, tile)
+            scale = q.abs().amax(dim=2, keepdim=True) / 448
+            assert torch.equal(scale.log2(), scale.log2().round())  # powers of two
+            y = (q / scale).abs()
+            down = y.to(torch.float8_e4m3fn).float()
+            e4m3 = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            mids = (e4m3[:-1] + e4m3[1:]) / 2
+            assert torch.isin(mids, y).all()  # every midpoint occurs
+            assert (down <= 448).all()
 
 
 @requires_cuda
