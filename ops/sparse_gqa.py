@@ -51,7 +51,7 @@ from ..meta_kernels.sparse_gqa import (
 from ._formats import e2m1_reencode_ptx, e4m3_to_float32, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2,
                       scratch, wait_for_prior_grid)
-from ._rounding import bf16_bits, e4m3_bits, f16_bits, load_as_f32
+from ._rounding import load_as_f32
 from ._rounding import clamp_keep_nan as _clamp_keep_nan
 from ._rounding import e4m3_byte as _e4m3_byte
 from ._rounding import e4m3_bytes as _e4m3_bytes
