@@ -69,6 +69,7 @@ _GATHER_ROWS_PER_SLOT = 1024
 # An "auto" cache gathered into its own dtype is a copy of bits (``_kv_cache_copy_kernel``); off, it
 # takes the dequantising kernel as the other formats do (the same bytes; kept for comparisons).
 GATHER_COPY = True
+GATHER_SPLIT = True
 
 _PLANS = PlanCache()
 
@@ -327,7 +328,8 @@ def _kv_cache_gather_kernel(
     out_ptr, stride_out_n, stride_out_d,  # [N, D]: float32, or the int16 view of bf16 / fp16
     n,
     DIM: tl.constexpr,  # D
-    CHUNK: tl.constexpr,  # dims per tile
+    CHUNK: tl.constexpr,  # dims per tile (with TAIL: of the first tile)
+    TAIL: tl.constexpr,  # > 0: D is CHUNK dims and a second tile of TAIL (the rest, padded to a power of two)
     KV_FORMAT: tl.constexpr,
     STORE_DTYPE: tl.constexpr,
     BLOCK_N: tl.constexpr,  # slots per program
@@ -340,11 +342,23 @@ def _kv_cache_gather_kernel(
     live = rows < n
     slot = tl.load(slots_ptr + rows * stride_slots, mask=live, other=-1).to(tl.int64)
     valid = live & (slot >= 0) & (slot < num_slots)
-    for c0 in tl.static_range(0, DIM, CHUNK):
-        vals = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, c0, CHUNK, DIM, KV_FORMAT)
-        cols = c0 + tl.arange(0, CHUNK)
-        ptrs = out_ptr + rows[:, None] * stride_out_n + cols[None, :] * stride_out_d
-        _store_converted(ptrs, vals, live[:, None] & (cols < DIM)[None, :], STORE_DTYPE, HW_CVT)
+    if TAIL > 0:
+        # D = CHUNK + (at most CHUNK) dims: two tiles, the second TAIL wide, both loaded before any store
+        head = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, 0, CHUNK, CHUNK, KV_FORMAT)
+        tail = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, CHUNK, TAIL, DIM, KV_FORMAT)
+        cols = tl.arange(0, CHUNK)
+        out_rows = out_ptr + rows[:, None] * stride_out_n
+        _store_converted(out_rows + cols[None, :] * stride_out_d, head, live[:, None] & (cols >= 0)[None, :],
+                         STORE_DTYPE, HW_CVT)
+        ct = CHUNK + tl.arange(0, TAIL)
+        _store_converted(out_rows + ct[None, :] * stride_out_d, tail, live[:, None] & (ct < DIM)[None, :],
+                         STORE_DTYPE, HW_CVT)
+    else:
+        for c0 in tl.static_range(0, DIM, CHUNK):
+            vals = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, c0, CHUNK, DIM, KV_FORMAT)
+            cols = c0 + tl.arange(0, CHUNK)
+            ptrs = out_ptr + rows[:, None] * stride_out_n + cols[None, :] * stride_out_d
+            _store_converted(ptrs, vals, live[:, None] & (cols < DIM)[None, :], STORE_DTYPE, HW_CVT)
 
 
 @triton.jit
@@ -442,7 +456,7 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
     if n == 0:
         return
     key = ("kv_cache_gather", kv_cache.shape, kv_cache.stride(), kv_cache.dtype, slots.stride(0), slots.dtype,
-           out.shape, out.stride(), out.dtype, kv_format, out.device, GATHER_COPY)
+           out.shape, out.stride(), out.dtype, kv_format, out.device, GATHER_COPY, GATHER_SPLIT)
     launch = _PLANS.get(key)
     if launch is None and kv_format == "auto" and GATHER_COPY:
         launch = _copy_launch(kv_cache, slots, out, n)
@@ -455,8 +469,12 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
         args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * kv_cache.shape[1],
                 kv_cache.shape[1], slots, slots.stride(0), out_bits, out.stride(0), out.stride(1), n)
         chunk = min(_GATHER_MAX_CHUNK, next_pow2(dim))
+        tail = 0
+        if GATHER_SPLIT and dim <= _GATHER_MAX_CHUNK and dim != chunk:
+            chunk = prev_pow2(dim)  # D = 576: 512 + 64 (one 1,024-wide tile masks 448 of its lanes)
+            tail = next_pow2(dim - chunk)
         block_n = _gather_slots(n, _GATHER_TILE // chunk)
-        meta = dict(DIM=dim, CHUNK=chunk, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store, BLOCK_N=block_n,
+        meta = dict(DIM=dim, CHUNK=chunk, TAIL=tail, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store, BLOCK_N=block_n,
                     HW_CVT=out.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, block_n),), args, meta,
                                               num_warps=4, device=out.device, reinterpret=True))
