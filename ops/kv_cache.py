@@ -69,6 +69,9 @@ _GATHER_ROWS_PER_SLOT = 1024
 # An "auto" cache gathered into its own dtype is a copy of bits (``_kv_cache_copy_kernel``); off, it
 # takes the dequantising kernel as the other formats do (the same bytes; kept for comparisons).
 GATHER_COPY = True
+# A row of D up to 1,024 that is not a power of two is gathered as two tiles, the largest power of two in
+# D and the rest (D = 576: 512 + 64, docs/kv_cache.md); off, as one tile of next_pow2(D) with the lanes
+# past D masked (the same values; kept for comparisons).
 GATHER_SPLIT = True
 
 _PLANS = PlanCache()
@@ -302,13 +305,18 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
     launch = _PLANS.get(key)
     if launch is None:
         store = _STORE_CODES[kv_cache.dtype] if kv_format == "auto" else _STORE_F32
-        # bf16/fp16 are moved as their int16 bits (the kernels round and widen by hand, see above); the
-        # plan is made with the int16 views, and later calls pass the tensors themselves (KernelLaunch).
-        # An "auto" cache written with its own dtype is a copy of the bits (NaN made canonical).
+        # bf16/fp16 are moved as their int16 bits (the kernels widen bf16 by a shift and round by hand
+        # in the interpreter, see above); the plan is made with the int views, and later calls pass the
+        # tensors themselves (KernelLaunch). An "auto" cache written from its own dtype is a copy of the
+        # bits (NaN made canonical).
         copy = kv_format == "auto" and kv.dtype == kv_cache.dtype
-        int_dtype, abs_mask, inf_bits, nan_bits = _copy_bits(kv.dtype) if copy else (None, 0, 0, 0)
-        kv_in = kv.view(int_dtype) if copy else _int16_view_of_bf16(kv)
-        cache = kv_cache.view(int_dtype) if copy else kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
+        abs_mask = inf_bits = nan_bits = 0
+        if copy:
+            int_dtype, abs_mask, inf_bits, nan_bits = _copy_bits(kv.dtype)
+            kv_in, cache = kv.view(int_dtype), kv_cache.view(int_dtype)
+        else:
+            kv_in = _int16_view_of_bf16(kv)
+            cache = kv_cache if store == _STORE_F32 else kv_cache.view(torch.int16)
         pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
         dim = kv.shape[1]
         args = (kv_in, kv.stride(0), kv.stride(1), slot_mapping, slot_mapping.stride(0),
@@ -473,9 +481,9 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
         if GATHER_SPLIT and dim <= _GATHER_MAX_CHUNK and dim != chunk:
             chunk = prev_pow2(dim)  # D = 576: 512 + 64 (one 1,024-wide tile masks 448 of its lanes)
             tail = next_pow2(dim - chunk)
-        block_n = _gather_slots(n, _GATHER_TILE // chunk)
-        meta = dict(DIM=dim, CHUNK=chunk, TAIL=tail, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store, BLOCK_N=block_n,
-                    HW_CVT=out.device.type == "cuda")
+        block_n = _gather_slots(n, prev_pow2(_GATHER_TILE // (chunk + tail)))
+        meta = dict(DIM=dim, CHUNK=chunk, TAIL=tail, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store,
+                    BLOCK_N=block_n, HW_CVT=out.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, block_n),), args, meta,
                                               num_warps=4, device=out.device, reinterpret=True))
     launch(kv_cache, slots, out)
