@@ -709,6 +709,12 @@ def test_cuda_parity(kv_format, layout):
             assert torch.equal(got.cpu(), want)
 
 
+# The quantised tiles of the fp8 formats (tiles per token, values per tile) and every non-negative e4m3
+# value (0 .. 448).
+FP8_TILES = {"fp8_656": (4, 128), "fp8_584": (7, 64)}
+E4M3_VALUES = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+
+
 def make_rounding_kv(kv_format: str, seed: int) -> torch.Tensor:
     """float32 rows whose every rounding is a close call. fp8 formats: each quantised tile holds +-448
     times a power of two ``2**k`` (so the scale is exactly ``2**k`` in both formats) and, times the same
@@ -730,10 +736,10 @@ def make_rounding_kv(kv_format: str, seed: int) -> torch.Tensor:
         vals = torch.cat([bits.view(F32), sign(bf16_ties), sign(f16_ties)])
         vals = torch.cat([vals, torch.zeros((-vals.numel()) % 576)])
         return vals[torch.randperm(vals.numel(), generator=g)].view(-1, 576)
-    e4m3 = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 .. 448
+    e4m3 = E4M3_VALUES
     mids = (e4m3[:-1] + e4m3[1:]) / 2
     cands = torch.cat([e4m3, mids, torch.nextafter(mids, torch.zeros(1)), torch.nextafter(mids, e4m3[-1:])])
-    tiles, tile = (4, 128) if kv_format == "fp8_656" else (7, 64)
+    tiles, tile = FP8_TILES[kv_format]
     per_row = tiles * (tile - 1)
     rows = -(-cands.numel() // per_row)
     vals = torch.cat([cands, cands[torch.randint(0, cands.numel(), (rows * per_row - cands.numel(),), generator=g)]])
@@ -786,13 +792,13 @@ def test_rounding_kv_hits_ties():
         ties = ((bf16.contiguous().view(torch.int32) & 0xFFFF) == 0x8000).sum().item()
         assert ties >= (200 if kv_format == "auto" else bf16.numel() // 5), kv_format
         if kv_format != "auto":
-            tiles, tile = (4, 128) if kv_format == "fp8_656" else (7, 64)
+            tiles, tile = FP8_TILES[kv_format]
             q = x[:, : tiles * tile].view(x.shape[0], tiles, tile)
             scale = q.abs().amax(dim=2, keepdim=True) / 448
             assert torch.equal(scale.log2(), scale.log2().round())  # powers of two
             y = (q / scale).abs()
             down = y.to(torch.float8_e4m3fn).float()
-            e4m3 = torch.arange(0, 0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+            e4m3 = E4M3_VALUES
             mids = (e4m3[:-1] + e4m3[1:]) / 2
             assert torch.isin(mids, y).all()  # every midpoint occurs
             assert (down <= 448).all()
