@@ -129,16 +129,18 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
 # Triton
 # =====================================================================================================
 
-# The Triton interpreter decodes the e4m3fn NaN bytes 0x7F / 0xFF as +-480; the GPU gives NaN. Under the
-# interpreter the decoder puts the NaN back, so both agree (a constexpr: the GPU code is unchanged).
-_INTERPRETER_E4M3_NAN = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# Two conversions the Triton interpreter gets wrong and the GPU right: it decodes the e4m3fn NaN bytes
+# 0x7F / 0xFF as +-480 (the GPU gives NaN), and it widens bf16 subnormals to wrong float32 values. Under
+# the interpreter the decoders work around both, so the backends agree (a constexpr: the GPU code is
+# unchanged, and there a bf16 value widened and narrowed again to bf16 costs nothing).
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
 def _e4m3_to_f32(raw):
     """float32 of uint8 e4m3fn bytes (NaN for 0x7F / 0xFF)."""
     x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    if _INTERPRETER_E4M3_NAN:
+    if _INTERPRETED:
         x = tl.where((raw & 0x7F) == 0x7F, float("nan"), x)
     return x
 
@@ -192,7 +194,11 @@ def load_kv_cols(
     mask = valid[:, None] & (cols < COL_END)[None, :]
     if KV_FORMAT == 0:
         ptrs = cache_ptr + (page_base + row * stride_row)[:, None] + cols[None, :]
-        vals = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        if _INTERPRETED and cache_ptr.dtype.element_ty == tl.bfloat16:  # bf16 widened by a shift
+            bits = tl.load(ptrs.to(tl.pointer_type(tl.int16), bitcast=True), mask=mask, other=0)
+            vals = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+        else:
+            vals = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     else:
         if KV_FORMAT == 1:
             FP8_DIMS: tl.constexpr = 512

@@ -18,7 +18,8 @@ Both backends produce the same bytes:
 - the UE8M0 exponent ``ceil(log2(y))`` is read from the exponent and mantissa bits of ``y`` (exact;
   ``log2`` is approximate on the GPU);
 - bf16 inputs are widened by a shift of their bits (the interpreter's ``.to(float32)`` widens bf16
-  subnormals to wrong values);
+  subnormals to wrong values; ``_formats.load_kv_cols`` does the same for a bf16 "auto" cache under
+  the interpreter);
 - non-finite values (``docs/kv_cache.md``): a tile's amax ignores NaN and +-inf; NaN is stored as the
   format's canonical quiet NaN (e4m3fn ``0x7F``, bf16 ``0x7FC0``, fp16 ``0x7E00``, float32
   ``0x7FC00000``), +-inf saturates to +-448 in e4m3fn (which has no infinity) and stays +-inf in

@@ -394,9 +394,7 @@ def test_interpreter_rounding(kv_format):
             kernels.kv_cache_insert_triton(kv, slots, got, kv_format)
             kernels.kv_cache_insert_torch(kv, slots, want, kv_format)
             assert_same_bytes(got, want)
-            # (the interpreter widens bf16 subnormals wrongly in ``.to(float32)``, which the gather from
-            # an "auto" bf16 cache into another dtype uses; the CUDA test covers that path)
-            for dtype in (BF16,) if kv_format == "auto" and cache_dtype == BF16 else (BF16, F16, F32):
+            for dtype in (BF16, F16, F32):
                 out = poison(torch.empty(n, FMT_DIM[kv_format], dtype=dtype))
                 kernels.kv_cache_gather_triton(got, slots, kv_format, dtype, out=out)
                 assert torch.equal(int_bits(out), int_bits(naive_gather(want, slots, kv_format, dtype)))
@@ -477,7 +475,7 @@ def test_interpreter_gather_auto_copy(dtype, dim, gather_slots):
     tile of a power of two of dims and one of the rest; D = 4,100 is past the copy kernel's limit and
     takes the dequantising kernel): NaN patterns of every kind become the canonical NaN, infinities,
     signed zeros and subnormals keep their bits, empty slots give zeros, and the bytes equal the
-    dequantising kernel's (in the interpreter, but for the bf16 subnormal, which it widens wrongly)."""
+    dequantising kernel's."""
     pages, page_size = 2, 3
     cache = torch.randn(pages, page_size, dim + 5, generator=torch.Generator().manual_seed(dim)).to(dtype)
     cache = cache[:, :, 2 : 2 + dim]  # a row stride wider than D
@@ -486,9 +484,7 @@ def test_interpreter_gather_auto_copy(dtype, dim, gather_slots):
     nans = [0x7FC1, -0x003F, 0x7F81] if dtype == BF16 else [0x7E01, -0x0200, 0x7C01] if dtype == F16 else \
         [0x7F800001, -0x00000001, 0x7FC00123]
     copies = dim <= kernels._COPY_MAX_DIM
-    specials = [float("inf"), float("-inf"), -0.0]
-    if copies or dtype != BF16:  # (the interpreter's dequantising kernel widens bf16 subnormals wrongly)
-        specials.append(torch.finfo(dtype).tiny / 4)
+    specials = [float("inf"), float("-inf"), -0.0, torch.finfo(dtype).tiny / 4]
     for j, v in enumerate(nans):
         bits[0, 1, j * 7 % dim] = v - (1 << width) if v >= 1 << (width - 1) else v
     for j, v in enumerate(specials):
@@ -508,8 +504,6 @@ def test_interpreter_gather_auto_copy(dtype, dim, gather_slots):
         kernels.kv_cache_gather_triton(cache, slots, "auto", dtype, out=other)
     finally:
         kernels.GATHER_COPY = True
-    if dtype == BF16 and copies:  # the interpreter widens bf16 subnormals to wrong values (the GPU does not)
-        other[slots == 3] = got[slots == 3]  # slot 3 = cache[1, 0] holds it
     assert torch.equal(int_bits(other), int_bits(got))
 
 
