@@ -199,26 +199,39 @@ def _compressed_slot_mapping_kernel(
     block_table_ptr, stride_bt_r, stride_bt_c,  # int32 [R, M]
     out_ptr, stride_out,  # int64 [N]
     num_out, num_req, max_blocks,
-    search_steps,  # bit length of R: enough binary-search iterations for R requests
+    search_steps,  # bit length of R: enough binary-search iterations for R requests (TABLE == 0)
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, BLOCK: tl.constexpr,
+    TABLE: tl.constexpr,  # > 0: the R request starts fit one load of TABLE entries (a power of two)
 ):
     stride_qsl = tl.cast(stride_qsl, tl.int64)
     stride_sl = tl.cast(stride_sl, tl.int64)
     stride_out = tl.cast(stride_out, tl.int64)
-    j = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    j0 = tl.program_id(0).to(tl.int64) * BLOCK
+    j = j0 + tl.arange(0, BLOCK)
     live = j < num_out
-    # Largest r in [0, R) with query_start_loc[r] <= j: every output element finds its request by
-    # itself, so each element is written exactly once and padding past the last request gets -1.
-    lo = tl.zeros([BLOCK], dtype=tl.int64)
-    hi = tl.zeros([BLOCK], dtype=tl.int64) + num_req  # search in [lo, hi)
-    for _ in range(search_steps):
-        mid = (lo + hi) // 2
-        go = lo < hi
-        start_mid = tl.load(query_start_loc_ptr + mid * stride_qsl, mask=go & live, other=0).to(tl.int64)
-        right = go & (start_mid <= j)
-        lo = tl.where(right, mid + 1, lo)
-        hi = tl.where(go & ~right, mid, hi)
-    req = lo - 1
+    # req = the largest r in [0, R) with query_start_loc[r] <= j, or -1: every output element finds its
+    # request by itself, so each element is written exactly once and padding past the last request
+    # gets -1. (For a non-decreasing query_start_loc; for any other, req is still in [-1, R).)
+    if TABLE > 0:
+        # All R starts in one load, no chain of dependent loads: req(j) = #{r : start_r <= j} - 1, the
+        # count at j0 plus a running sum of how many requests start at each of j0 + 1 .. j0 + BLOCK - 1.
+        r = tl.arange(0, TABLE)
+        starts = tl.load(query_start_loc_ptr + r * stride_qsl, mask=r < num_req, other=2**31 - 1).to(tl.int64)
+        base = tl.sum((starts <= j0).to(tl.int32), axis=0) - 1
+        off = starts - j0
+        new = tl.histogram(tl.where((off > 0) & (off < BLOCK), off, 0).to(tl.int32), BLOCK)  # bin 0: the rest
+        req = base + tl.cumsum(tl.where(tl.arange(0, BLOCK) == 0, 0, new), 0).to(tl.int64)
+    else:
+        lo = tl.zeros([BLOCK], dtype=tl.int64)
+        hi = tl.zeros([BLOCK], dtype=tl.int64) + num_req  # search in [lo, hi)
+        for _ in range(search_steps):
+            mid = (lo + hi) // 2
+            go = lo < hi
+            start_mid = tl.load(query_start_loc_ptr + mid * stride_qsl, mask=go & live, other=0).to(tl.int64)
+            right = go & (start_mid <= j)
+            lo = tl.where(right, mid + 1, lo)
+            hi = tl.where(go & ~right, mid, hi)
+        req = lo - 1
     has_req = live & (req >= 0)
     start = tl.load(query_start_loc_ptr + req * stride_qsl, mask=has_req, other=0).to(tl.int64)
     end = tl.load(query_start_loc_ptr + (req + 1) * stride_qsl, mask=has_req, other=0).to(tl.int64)
@@ -231,20 +244,28 @@ def _compressed_slot_mapping_kernel(
     tl.store(out_ptr + j * stride_out, slot, mask=live)
 
 
+# Most requests whose starts ``compressed_slot_mapping`` loads at once (one register tile per program);
+# more take a binary search, a chain of dependent loads (bit length of R of them).
+SEARCH_TABLE_MAX = 4096
+
+
 def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block_size, compress_ratio, *, out):
     n = out.shape[0]
     if n == 0:
         return
     key = ("compressed_slot_mapping", n, query_start_loc.stride(0), seq_lens.shape[0], seq_lens.stride(0),
-           block_table.shape, block_table.stride(), out.stride(0), block_size, compress_ratio, out.device)
+           block_table.shape, block_table.stride(), out.stride(0), block_size, compress_ratio, out.device,
+           SEARCH_TABLE_MAX)
     launch = _PLANS.get(key)
     if launch is None:
         num_req = seq_lens.shape[0]
+        table = triton.next_power_of_2(max(num_req, 1)) if num_req <= SEARCH_TABLE_MAX else 0
         args = (query_start_loc, query_start_loc.stride(0), seq_lens, seq_lens.stride(0),
                 block_table, block_table.stride(0), block_table.stride(1), out, out.stride(0),
                 n, num_req, block_table.shape[1], max(num_req.bit_length(), 1))
         launch = _PLANS.put(key, KernelLaunch(_compressed_slot_mapping_kernel, (cdiv(n, _BLOCK_1D),), args,
-                                              dict(BLOCK_SIZE=block_size, RATIO=compress_ratio, BLOCK=_BLOCK_1D),
+                                              dict(BLOCK_SIZE=block_size, RATIO=compress_ratio, BLOCK=_BLOCK_1D,
+                                                   TABLE=table),
                                               num_warps=4, device=out.device))
     launch(query_start_loc, seq_lens, block_table, out)
 

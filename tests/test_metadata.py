@@ -461,9 +461,67 @@ def test_interpreter_extreme_values():
 INTERP_BATCHES = ["mixed", "few_columns", "big_block_ids", "empty"]
 
 
+@pytest.fixture(params=["table", "search"])
+def slot_search(request, monkeypatch):
+    """How ``compressed_slot_mapping``'s kernel finds each token's request: from all the request starts
+    loaded at once (``TABLE``, up to ``SEARCH_TABLE_MAX`` requests) or by a binary search (more)."""
+    if request.param == "search":
+        monkeypatch.setattr(kernels, "SEARCH_TABLE_MAX", 0)
+    return request.param
+
+
+def many_requests_batch(seed: int, num_reqs: int = 300) -> Batch:
+    """``num_reqs`` requests of 0-3 query tokens, most of one (request starts at nearly every token,
+    the first and last of each program of 256 included, several at one token where requests are
+    empty), short contexts, so that most tokens get a slot."""
+    g = torch.Generator().manual_seed(seed)
+    query_lens = torch.tensor([0, 1, 1, 1, 1, 2, 3])[torch.randint(0, 7, (num_reqs,), generator=g)]
+    for last in (255, 511):  # a request starts at the last token of the first two programs
+        ends = query_lens.cumsum(0)
+        r = int((ends < last).sum())  # the request holding token ``last``, which it now ends before
+        if r + 1 < num_reqs and int(ends[r]) > last:
+            query_lens[r] -= int(ends[r]) - last
+    qsl = torch.cat([torch.zeros(1, dtype=I64), query_lens.cumsum(0)]).to(I32)
+    assert 255 in qsl.tolist()
+    seq_lens = (query_lens + torch.randint(-1, 12, (num_reqs,), generator=g)).to(I32)
+    t = int(qsl[-1])
+    return dataclasses.replace(make_batch(seed), query_start_loc=qsl, seq_lens=seq_lens,
+                               block_table=torch.randint(-1, 60, (num_reqs, 8), dtype=I32, generator=g),
+                               positions=torch.zeros(t, dtype=I64))
+
+
+def garbage_starts(b: Batch, seed: int) -> Batch:
+    """``b`` with a ``query_start_loc`` that is not non-decreasing (negative, repeated, past the tokens,
+    the int32 ends): the output is unspecified, but every access must stay in bounds."""
+    g = torch.Generator().manual_seed(seed)
+    r = b.seq_lens.shape[0]
+    qsl = torch.randint(-50, b.positions.shape[0] + 50, (r + 1,), dtype=I32, generator=g)
+    qsl[0], qsl[r // 3], qsl[r // 2] = INT32_MAX, INT32_MIN, 0
+    return dataclasses.replace(b, query_start_loc=qsl)
+
+
+def check_slots_in_table(b: Batch, block_size: int, out: torch.Tensor):
+    """Every element is -1 or a slot of a non-negative block of ``b``'s block table."""
+    blocks = b.block_table.cpu().to(I64).flatten()
+    allowed = set((blocks[blocks >= 0][:, None] * block_size + torch.arange(block_size)).flatten().tolist())
+    assert set(out.tolist()) <= allowed | {-1}
+
+
+@requires_interpreter
+def test_interpreter_compressed_slot_mapping_many_requests(slot_search):
+    for seed in range(2):
+        b = many_requests_batch(seed)
+        n = b.positions.shape[0] + 70  # padding past the last request, the last program partial
+        for block_size, ratio in [(4, 2), (3, 1)]:
+            out = run_compressed_slot_mapping(b, block_size, ratio, n, kernels.compressed_slot_mapping_triton)
+            check_compressed_slot_mapping(b, block_size, ratio, n, out)
+        check_slots_in_table(b, 4, run_compressed_slot_mapping(garbage_starts(b, seed), 4, 1, n,
+                                                               kernels.compressed_slot_mapping_triton))
+
+
 @requires_interpreter
 @pytest.mark.parametrize("batch", INTERP_BATCHES, ids=str)
-def test_interpreter_compressed_slot_mapping(batch):
+def test_interpreter_compressed_slot_mapping(batch, slot_search):
     b = make_batch(**BATCHES[batch])
     for block_size, ratio in [(4, 2), (1, 128), (3, 3)]:
         n = b.positions.shape[0] + 300  # two programs of 256
@@ -737,6 +795,20 @@ def test_cuda_parity(batch):
     check_topk(b, 4, tsm.compressed_topk_to_global(b.local_indices, b.token_to_req, b.block_table, b.slot_mapping,
                                                    block_size=4))
     check_drm(b.seq_lens.cpu(), 3, tsm.decode_runtime_metadata(b.seq_lens, decode_query_len=3))
+
+
+@requires_cuda
+def test_cuda_compressed_slot_mapping_many_requests(slot_search):
+    """Both ways of finding a token's request on the GPU; garbage starts stay in bounds (under
+    ``scripts/sanitize.sh`` memcheck checks that)."""
+    for seed, num_reqs in ((0, 300), (1, 4000), (2, 5000)):  # 5000: past SEARCH_TABLE_MAX, always a search
+        b = many_requests_batch(seed, num_reqs).to("cuda")
+        n = b.positions.shape[0] + 70
+        for block_size, ratio in [(4, 2), (3, 1)]:
+            out = run_compressed_slot_mapping(b, block_size, ratio, n, kernels.compressed_slot_mapping_triton)
+            check_compressed_slot_mapping(b, block_size, ratio, n, out.cpu())
+        garbage = run_compressed_slot_mapping(garbage_starts(b, seed), 4, 1, n, kernels.compressed_slot_mapping_triton)
+        check_slots_in_table(b, 4, garbage.cpu())
 
 
 def _fixed_shape_batch(seed: int) -> Batch:
