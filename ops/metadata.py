@@ -244,9 +244,12 @@ def _compressed_slot_mapping_kernel(
     tl.store(out_ptr + j * stride_out, slot, mask=live)
 
 
-# Most requests whose starts ``compressed_slot_mapping`` loads at once (one register tile per program);
-# more take a binary search, a chain of dependent loads (bit length of R of them).
-SEARCH_TABLE_MAX = 4096
+# ``compressed_slot_mapping`` loads all R request starts at once (one register tile per program) when
+# SEARCH_TABLE_MIN <= R <= SEARCH_TABLE_MAX; otherwise each token runs a binary search, a chain of
+# dependent loads (bit length of R of them), cheaper for a few requests, and for many, where every
+# program's count over the whole table costs more than the search.
+SEARCH_TABLE_MIN = 8
+SEARCH_TABLE_MAX = 2048
 
 
 def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block_size, compress_ratio, *, out):
@@ -255,11 +258,11 @@ def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block
         return
     key = ("compressed_slot_mapping", n, query_start_loc.stride(0), seq_lens.shape[0], seq_lens.stride(0),
            block_table.shape, block_table.stride(), out.stride(0), block_size, compress_ratio, out.device,
-           SEARCH_TABLE_MAX)
+           SEARCH_TABLE_MIN, SEARCH_TABLE_MAX)
     launch = _PLANS.get(key)
     if launch is None:
         num_req = seq_lens.shape[0]
-        table = triton.next_power_of_2(max(num_req, 1)) if num_req <= SEARCH_TABLE_MAX else 0
+        table = triton.next_power_of_2(max(num_req, 1)) if SEARCH_TABLE_MIN <= num_req <= SEARCH_TABLE_MAX else 0
         args = (query_start_loc, query_start_loc.stride(0), seq_lens, seq_lens.stride(0),
                 block_table, block_table.stride(0), block_table.stride(1), out, out.stride(0),
                 n, num_req, block_table.shape[1], max(num_req.bit_length(), 1))
