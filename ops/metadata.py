@@ -202,7 +202,6 @@ def _compressed_slot_mapping_kernel(
     search_steps,  # bit length of R: enough binary-search iterations for R requests (TABLE == 0)
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, BLOCK: tl.constexpr,
     TABLE: tl.constexpr,  # > 0: the R request starts fit one load of TABLE entries (a power of two)
-    GATHER_ROWS: tl.constexpr,  # with TABLE: a token's start, end and seq_len gathered from register tables
 ):
     stride_qsl = tl.cast(stride_qsl, tl.int64)
     stride_sl = tl.cast(stride_sl, tl.int64)
@@ -222,10 +221,6 @@ def _compressed_slot_mapping_kernel(
         off = starts - j0
         new = tl.histogram(tl.where((off > 0) & (off < BLOCK), off, 0).to(tl.int32), BLOCK)  # bin 0: the rest
         req = base + tl.cumsum(tl.where(tl.arange(0, BLOCK) == 0, 0, new), 0).to(tl.int64)
-        if GATHER_ROWS:
-            in_r = r < num_req
-            ends = tl.load(query_start_loc_ptr + (r + 1) * stride_qsl, mask=in_r, other=0).to(tl.int64)
-            seqs = tl.load(seq_lens_ptr + r * stride_sl, mask=in_r, other=0).to(tl.int64)
     else:
         lo = tl.zeros([BLOCK], dtype=tl.int64)
         hi = tl.zeros([BLOCK], dtype=tl.int64) + num_req  # search in [lo, hi)
@@ -238,15 +233,9 @@ def _compressed_slot_mapping_kernel(
             hi = tl.where(go & ~right, mid, hi)
         req = lo - 1
     has_req = live & (req >= 0)
-    if TABLE > 0 and GATHER_ROWS:
-        at = tl.minimum(tl.maximum(req, 0), TABLE - 1).to(tl.int32)
-        start = tl.gather(starts, at, 0)
-        end = tl.gather(ends, at, 0)
-        seq_len = tl.gather(seqs, at, 0)
-    else:
-        start = tl.load(query_start_loc_ptr + req * stride_qsl, mask=has_req, other=0).to(tl.int64)
-        end = tl.load(query_start_loc_ptr + (req + 1) * stride_qsl, mask=has_req, other=0).to(tl.int64)
-        seq_len = tl.load(seq_lens_ptr + req * stride_sl, mask=has_req, other=0).to(tl.int64)
+    start = tl.load(query_start_loc_ptr + req * stride_qsl, mask=has_req, other=0).to(tl.int64)
+    end = tl.load(query_start_loc_ptr + (req + 1) * stride_qsl, mask=has_req, other=0).to(tl.int64)
+    seq_len = tl.load(seq_lens_ptr + req * stride_sl, mask=has_req, other=0).to(tl.int64)
     pos = seq_len - (end - start) + (j - start)
     pos_safe = tl.maximum(pos, 0)
     closes = has_req & (j < end) & (pos >= 0) & ((pos_safe + 1) % RATIO == 0)
@@ -260,8 +249,7 @@ def _compressed_slot_mapping_kernel(
 # dependent loads (bit length of R of them), cheaper for a few requests, and for many, where every
 # program's count over the whole table costs more than the search.
 SEARCH_TABLE_MIN = 8
-SEARCH_TABLE_MAX = 4096
-SEARCH_GATHER = True
+SEARCH_TABLE_MAX = 2048
 
 
 def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block_size, compress_ratio, *, out):
@@ -270,7 +258,7 @@ def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block
         return
     key = ("compressed_slot_mapping", n, query_start_loc.stride(0), seq_lens.shape[0], seq_lens.stride(0),
            block_table.shape, block_table.stride(), out.stride(0), block_size, compress_ratio, out.device,
-           SEARCH_TABLE_MIN, SEARCH_TABLE_MAX, SEARCH_GATHER)
+           SEARCH_TABLE_MIN, SEARCH_TABLE_MAX)
     launch = _PLANS.get(key)
     if launch is None:
         num_req = seq_lens.shape[0]
@@ -280,7 +268,7 @@ def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block
                 n, num_req, block_table.shape[1], max(num_req.bit_length(), 1))
         launch = _PLANS.put(key, KernelLaunch(_compressed_slot_mapping_kernel, (cdiv(n, _BLOCK_1D),), args,
                                               dict(BLOCK_SIZE=block_size, RATIO=compress_ratio, BLOCK=_BLOCK_1D,
-                                                   TABLE=table, GATHER_ROWS=SEARCH_GATHER),
+                                                   TABLE=table),
                                               num_warps=4, device=out.device))
     launch(query_start_loc, seq_lens, block_table, out)
 
