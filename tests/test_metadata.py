@@ -515,6 +515,13 @@ def test_interpreter_compressed_slot_mapping_many_requests(slot_search):
         for block_size, ratio in [(4, 2), (3, 1)]:
             out = run_compressed_slot_mapping(b, block_size, ratio, n, kernels.compressed_slot_mapping_triton)
             check_compressed_slot_mapping(b, block_size, ratio, n, out)
+        # strided starts and context lengths (every other element of a wider tensor; the rest poison)
+        qsl, lens = b.query_start_loc, b.seq_lens
+        wide = dataclasses.replace(b, query_start_loc=torch.stack([qsl, torch.full_like(qsl, -7)], 1)[:, 0],
+                                   seq_lens=torch.stack([lens, torch.full_like(lens, 99)], 1)[:, 0])
+        assert wide.query_start_loc.stride(0) == 2
+        check_compressed_slot_mapping(wide, 3, 1, n, run_compressed_slot_mapping(
+            wide, 3, 1, n, kernels.compressed_slot_mapping_triton))
         check_slots_in_table(b, 4, run_compressed_slot_mapping(garbage_starts(b, seed), 4, 1, n,
                                                                kernels.compressed_slot_mapping_triton))
 
