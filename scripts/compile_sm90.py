@@ -135,6 +135,9 @@ def case_metadata():
     qsl = torch.tensor([0, 2, 5, 7], dtype=I32)
     seq_lens, bt = torch.tensor([4, 9, 2], dtype=I32), _strided((r, m), I32)
     md_ops.compressed_slot_mapping_triton(qsl, seq_lens, bt, 4, 2, out=torch.empty(t, dtype=I64))
+    many = 40  # past SEARCH_TABLE_MIN: all request starts in one tile, no binary search
+    md_ops.compressed_slot_mapping_triton(torch.arange(many + 1, dtype=I32), torch.full((many,), 9, dtype=I32),
+                                          _strided((many, m), I32), 4, 2, out=torch.empty(many, dtype=I64))
     pos, ttr, sm = torch.zeros(t, dtype=I64), torch.zeros(t, dtype=I32), torch.zeros(t, dtype=I64)
     md_ops.c128a_topk_indices_triton(pos, ttr, bt, sm, 3, 4, 2, 9, decode_indices=_strided((3, 9), I32),
                                      decode_lens=torch.empty(3, dtype=I32), prefill_indices=_strided((4, 9), I32))
