@@ -150,14 +150,21 @@ def _i32_out(backend, *shape):
 @backends
 @examples(40)
 @given(b=metadata_batches(), block_size=st.sampled_from([1, 2, 4, 64]), ratio=st.sampled_from([1, 2, 3, 4, 128]),
-       pad=st.integers(0, 3))
-def test_compressed_slot_mapping(backend, b, block_size, ratio, pad):
+       pad=st.integers(0, 3), table=st.booleans())
+def test_compressed_slot_mapping(backend, b, block_size, ratio, pad, table):
     l = _lists(b)
     n = l["qsl"][-1] + pad
     args = [to(x, backend) for x in (b.query_start_loc, b.seq_lens, b.block_table)]
     out = to(torch.full((n,), -12345, dtype=I64), backend)
     if backend == "interpreter":
-        md_ops.compressed_slot_mapping_triton(*args, block_size, ratio, out=out)
+        # ``table``: the kernel's starts table whatever the number of requests, else its default choice
+        bounds = md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX
+        try:
+            if table:
+                md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX = 0, 2**31
+            md_ops.compressed_slot_mapping_triton(*args, block_size, ratio, out=out)
+        finally:
+            md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX = bounds
     else:
         tsm.compressed_slot_mapping(*args, block_size=block_size, compress_ratio=ratio, out=out)
     assert out.tolist() == ref_compressed_slot_mapping(l["qsl"], l["seq_lens"], l["bt"], n, block_size, ratio)
