@@ -472,7 +472,7 @@ def slot_search(request, monkeypatch):
 
 def many_requests_batch(seed: int, num_reqs: int = 300) -> Batch:
     """``num_reqs`` requests of 0-3 query tokens, most of one (request starts at nearly every token,
-    the first and last of each program of 256 included, several at one token where requests are
+    token 255, the last of the first program of 256, always; several at one token where requests are
     empty), short contexts, so that most tokens get a slot."""
     g = torch.Generator().manual_seed(seed)
     query_lens = torch.tensor([0, 1, 1, 1, 1, 2, 3])[torch.randint(0, 7, (num_reqs,), generator=g)]
