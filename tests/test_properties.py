@@ -20,7 +20,7 @@ import os
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import formats_reference as ref
@@ -147,10 +147,20 @@ def _i32_out(backend, *shape):
     return to(torch.full(shape, -12345, dtype=I32), backend)
 
 
+def _two_requests() -> Batch:
+    """Two requests of 2 and 1 query tokens whose every token closes an entry (ratio 1) in a valid block."""
+    empty = torch.zeros(0, dtype=I64)
+    return Batch(query_start_loc=torch.tensor([0, 2, 3], dtype=I32), seq_lens=torch.tensor([5, 7], dtype=I32),
+                 block_table=torch.tensor([[1, 2], [3, 4]], dtype=I32), positions=empty, token_to_req=empty.to(I32),
+                 slot_mapping=empty, num_decode=0, local_indices=torch.zeros(0, 0, dtype=I32))
+
+
 @backends
 @examples(40)
 @given(b=metadata_batches(), block_size=st.sampled_from([1, 2, 4, 64]), ratio=st.sampled_from([1, 2, 3, 4, 128]),
        pad=st.integers(0, 3), table=st.booleans())
+@example(b=_two_requests(), block_size=4, ratio=1, pad=1, table=True)  # every output a slot, in both forms
+@example(b=_two_requests(), block_size=4, ratio=1, pad=1, table=False)
 def test_compressed_slot_mapping(backend, b, block_size, ratio, pad, table):
     l = _lists(b)
     n = l["qsl"][-1] + pad
