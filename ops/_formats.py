@@ -39,6 +39,7 @@ import os
 import torch
 
 from ..meta_kernels._formats import cache_dim
+from ._rounding import load_as_f32
 from ._triton import tl, triton
 
 # =====================================================================================================
@@ -195,8 +196,7 @@ def load_kv_cols(
     if KV_FORMAT == 0:
         ptrs = cache_ptr + (page_base + row * stride_row)[:, None] + cols[None, :]
         if _INTERPRETED and cache_ptr.dtype.element_ty == tl.bfloat16:  # bf16 widened by a shift
-            bits = tl.load(ptrs.to(tl.pointer_type(tl.int16), bitcast=True), mask=mask, other=0)
-            vals = (bits.to(tl.int32) << 16).to(tl.float32, bitcast=True)
+            vals = load_as_f32(ptrs.to(tl.pointer_type(tl.int16), bitcast=True), mask, True)
         else:
             vals = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     else:
