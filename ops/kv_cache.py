@@ -206,7 +206,8 @@ def _kv_cache_insert_kernel(
     slot_ptr, stride_slot,  # int64 [N]
     cache_ptr,  # uint8 (fp8 formats), float32 or the int16 view of a bf16/fp16 auto cache
     stride_page, stride_row,  # kv_cache.stride(0), kv_cache.stride(1) (the latter: auto only)
-    num_slots, page_size, dim,
+    num_slots, dim,
+    PAGE_SIZE: tl.constexpr,  # kv_cache.shape[1]: the slot's page and row by a shift or a multiply
     KV_FORMAT: tl.constexpr,  # FORMAT_IDS value
     KV_IS_BF16: tl.constexpr,
     STORE_DTYPE: tl.constexpr,  # auto only: _STORE_* code of the cache dtype
@@ -227,7 +228,7 @@ def _kv_cache_insert_kernel(
     stride_slot = tl.cast(stride_slot, tl.int64)
     stride_page = tl.cast(stride_page, tl.int64)
     stride_row = tl.cast(stride_row, tl.int64)
-    page_size = tl.cast(page_size, tl.int64)  # page_size * 576 passes 2**31 for large fp8_584 pages
+    page_size = tl.cast(PAGE_SIZE, tl.int64)  # page_size * 576 passes 2**31 for large fp8_584 pages
     # One program per token: a record is a few hundred bytes, written once. Every load is issued before
     # the slot is known and before any store: the stores are masked by the slot's validity rather than
     # placed under a branch (a branch lets the compiler sink the loads into it, after the slot's load
@@ -321,8 +322,8 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
         pages, page_size = kv_cache.shape[0], kv_cache.shape[1]
         dim = kv.shape[1]
         args = (kv_in, kv.stride(0), kv.stride(1), slot_mapping, slot_mapping.stride(0),
-                cache, kv_cache.stride(0), kv_cache.stride(1), pages * page_size, page_size, dim)
-        meta = dict(KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16, STORE_DTYPE=store,
+                cache, kv_cache.stride(0), kv_cache.stride(1), pages * page_size, dim)
+        meta = dict(PAGE_SIZE=page_size, KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16, STORE_DTYPE=store,
                     BLOCK_D=min(next_pow2(max(dim, 1)), 1024), COPY=copy, ABS_MASK=abs_mask, INF_BITS=inf_bits,
                     NAN_BITS=nan_bits, HW_CVT=kv.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_insert_kernel, (n,), args, meta, num_warps=4,
@@ -332,10 +333,11 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
 
 @triton.jit
 def _kv_cache_gather_kernel(
-    cache_ptr, stride_page, stride_row, num_slots, page_size,  # the cache, as _formats.load_kv_cols reads it
+    cache_ptr, stride_page, stride_row, num_slots,  # the cache, as _formats.load_kv_cols reads it
     slots_ptr, stride_slots,  # int32 / int64 [N]
     out_ptr, stride_out_n, stride_out_d,  # [N, D]: float32, or the int16 view of bf16 / fp16
     n,
+    PAGE_SIZE: tl.constexpr,
     DIM: tl.constexpr,  # D
     CHUNK: tl.constexpr,  # dims per tile (with TAIL: of the first tile)
     TAIL: tl.constexpr,  # > 0: D is CHUNK dims and a second tile of TAIL (the rest, padded to a power of two)
@@ -353,8 +355,8 @@ def _kv_cache_gather_kernel(
     valid = live & (slot >= 0) & (slot < num_slots)
     if TAIL > 0:
         # D = CHUNK + (at most CHUNK) dims: two tiles, the second TAIL wide, both loaded before any store
-        head = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, 0, CHUNK, CHUNK, KV_FORMAT)
-        tail = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, CHUNK, TAIL, DIM, KV_FORMAT)
+        head = load_kv_cols(cache_ptr, stride_page, stride_row, PAGE_SIZE, slot, valid, 0, CHUNK, CHUNK, KV_FORMAT)
+        tail = load_kv_cols(cache_ptr, stride_page, stride_row, PAGE_SIZE, slot, valid, CHUNK, TAIL, DIM, KV_FORMAT)
         cols = tl.arange(0, CHUNK)
         out_rows = out_ptr + rows[:, None] * stride_out_n
         _store_converted(out_rows + cols[None, :] * stride_out_d, head, live[:, None] & (cols >= 0)[None, :],
@@ -364,7 +366,7 @@ def _kv_cache_gather_kernel(
                          STORE_DTYPE, HW_CVT)
     else:
         for c0 in tl.static_range(0, DIM, CHUNK):
-            vals = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slot, valid, c0, CHUNK, DIM, KV_FORMAT)
+            vals = load_kv_cols(cache_ptr, stride_page, stride_row, PAGE_SIZE, slot, valid, c0, CHUNK, DIM, KV_FORMAT)
             cols = c0 + tl.arange(0, CHUNK)
             ptrs = out_ptr + rows[:, None] * stride_out_n + cols[None, :] * stride_out_d
             _store_converted(ptrs, vals, live[:, None] & (cols < DIM)[None, :], STORE_DTYPE, HW_CVT)
@@ -476,14 +478,15 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
         out_bits = out if store == _STORE_F32 else out.view(torch.int16)  # planned as int16, see the insert
         dim = cache_dim(kv_cache, kv_format)
         args = (kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.shape[0] * kv_cache.shape[1],
-                kv_cache.shape[1], slots, slots.stride(0), out_bits, out.stride(0), out.stride(1), n)
+                slots, slots.stride(0), out_bits, out.stride(0), out.stride(1), n)
         chunk = min(_GATHER_MAX_CHUNK, next_pow2(dim))
         tail = 0
         if GATHER_SPLIT and dim <= _GATHER_MAX_CHUNK and dim != chunk:
             chunk = prev_pow2(dim)  # D = 576: 512 + 64 (one 1,024-wide tile masks 448 of its lanes)
             tail = next_pow2(dim - chunk)
         block_n = _gather_slots(n, prev_pow2(_GATHER_TILE // (chunk + tail)))
-        meta = dict(DIM=dim, CHUNK=chunk, TAIL=tail, KV_FORMAT=FORMAT_IDS[kv_format], STORE_DTYPE=store,
+        meta = dict(PAGE_SIZE=kv_cache.shape[1], DIM=dim, CHUNK=chunk, TAIL=tail, KV_FORMAT=FORMAT_IDS[kv_format],
+                    STORE_DTYPE=store,
                     BLOCK_N=block_n, HW_CVT=out.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, block_n),), args, meta,
                                               num_warps=4, device=out.device, reinterpret=True))
