@@ -202,6 +202,7 @@ def _compressed_slot_mapping_kernel(
     search_steps,  # bit length of R: enough binary-search iterations for R requests (TABLE == 0)
     BLOCK_SIZE: tl.constexpr, RATIO: tl.constexpr, BLOCK: tl.constexpr,
     TABLE: tl.constexpr,  # > 0: the R request starts fit one load of TABLE entries (a power of two)
+    GATHER: tl.constexpr,  # with TABLE: the starts, ends and context lengths all loaded at once (few R)
 ):
     stride_qsl = tl.cast(stride_qsl, tl.int64)
     stride_sl = tl.cast(stride_sl, tl.int64)
@@ -212,7 +213,21 @@ def _compressed_slot_mapping_kernel(
     # req = the largest r in [0, R) with query_start_loc[r] <= j, or -1: every output element finds its
     # request by itself, so each element is written exactly once and padding past the last request
     # gets -1. (For a non-decreasing query_start_loc; for any other, req is still in [-1, R).)
-    if TABLE > 0:
+    if GATHER:
+        # A few requests: every request's start, end and context length in one round of loads, and each
+        # token picks its own from registers ([BLOCK, TABLE] compares): no load waits for the token's
+        # request (the other forms load them at req, one memory round trip later).
+        r = tl.arange(0, TABLE)
+        in_r = r < num_req
+        starts = tl.load(query_start_loc_ptr + r * stride_qsl, mask=in_r, other=2**31 - 1).to(tl.int64)
+        ends = tl.load(query_start_loc_ptr + (r + 1) * stride_qsl, mask=in_r, other=0).to(tl.int64)
+        lens = tl.load(seq_lens_ptr + r * stride_sl, mask=in_r, other=0).to(tl.int64)
+        req = tl.sum((starts[None, :] <= j[:, None]).to(tl.int32), axis=1).to(tl.int64) - 1
+        pick = r[None, :] == req[:, None]  # none where req == -1
+        start = tl.sum(tl.where(pick, starts[None, :], 0), axis=1)
+        end = tl.sum(tl.where(pick, ends[None, :], 0), axis=1)
+        seq_len = tl.sum(tl.where(pick, lens[None, :], 0), axis=1)
+    elif TABLE > 0:
         # All R starts in one load, no chain of dependent loads: req(j) = #{r : start_r <= j} - 1, the
         # count at j0 plus a running sum of how many requests start at each of j0 + 1 .. j0 + BLOCK - 1.
         r = tl.arange(0, TABLE)
@@ -233,9 +248,10 @@ def _compressed_slot_mapping_kernel(
             hi = tl.where(go & ~right, mid, hi)
         req = lo - 1
     has_req = live & (req >= 0)
-    start = tl.load(query_start_loc_ptr + req * stride_qsl, mask=has_req, other=0).to(tl.int64)
-    end = tl.load(query_start_loc_ptr + (req + 1) * stride_qsl, mask=has_req, other=0).to(tl.int64)
-    seq_len = tl.load(seq_lens_ptr + req * stride_sl, mask=has_req, other=0).to(tl.int64)
+    if not GATHER:
+        start = tl.load(query_start_loc_ptr + req * stride_qsl, mask=has_req, other=0).to(tl.int64)
+        end = tl.load(query_start_loc_ptr + (req + 1) * stride_qsl, mask=has_req, other=0).to(tl.int64)
+        seq_len = tl.load(seq_lens_ptr + req * stride_sl, mask=has_req, other=0).to(tl.int64)
     pos = seq_len - (end - start) + (j - start)
     pos_safe = tl.maximum(pos, 0)
     closes = has_req & (j < end) & (pos >= 0) & ((pos_safe + 1) % RATIO == 0)
@@ -244,10 +260,14 @@ def _compressed_slot_mapping_kernel(
     tl.store(out_ptr + j * stride_out, slot, mask=live)
 
 
-# ``compressed_slot_mapping`` loads all R request starts at once (one register tile per program) when
-# SEARCH_TABLE_MIN <= R <= SEARCH_TABLE_MAX; otherwise each token runs a binary search, a chain of
-# dependent loads (bit length of R of them), cheaper for a few requests, and for many, where every
-# program's count over the whole table costs more than the search.
+# ``compressed_slot_mapping`` finds each token's request in one of three ways, by the number of
+# requests R: R <= SEARCH_GATHER_MAX, every request's start, end and context length loaded at once
+# and picked from registers (GATHER); SEARCH_TABLE_MIN <= R <= SEARCH_TABLE_MAX, all R request starts
+# loaded at once (one register tile per program) and counted (TABLE); otherwise each token runs a
+# binary search, a chain of dependent loads (bit length of R of them), cheaper for many requests,
+# where every program's count over the whole table costs more than the search. (Below
+# SEARCH_TABLE_MIN and above SEARCH_GATHER_MAX, which the defaults leave empty: the search.)
+SEARCH_GATHER_MAX = 7
 SEARCH_TABLE_MIN = 8
 SEARCH_TABLE_MAX = 2048
 
@@ -258,17 +278,19 @@ def compressed_slot_mapping_triton(query_start_loc, seq_lens, block_table, block
         return
     key = ("compressed_slot_mapping", n, query_start_loc.stride(0), seq_lens.shape[0], seq_lens.stride(0),
            block_table.shape, block_table.stride(), out.stride(0), block_size, compress_ratio, out.device,
-           SEARCH_TABLE_MIN, SEARCH_TABLE_MAX)
+           SEARCH_GATHER_MAX, SEARCH_TABLE_MIN, SEARCH_TABLE_MAX)
     launch = _PLANS.get(key)
     if launch is None:
         num_req = seq_lens.shape[0]
-        table = triton.next_power_of_2(max(num_req, 1)) if SEARCH_TABLE_MIN <= num_req <= SEARCH_TABLE_MAX else 0
+        gather = num_req <= SEARCH_GATHER_MAX
+        table = (triton.next_power_of_2(max(num_req, 1))
+                 if gather or SEARCH_TABLE_MIN <= num_req <= SEARCH_TABLE_MAX else 0)
         args = (query_start_loc, query_start_loc.stride(0), seq_lens, seq_lens.stride(0),
                 block_table, block_table.stride(0), block_table.stride(1), out, out.stride(0),
                 n, num_req, block_table.shape[1], max(num_req.bit_length(), 1))
         launch = _PLANS.put(key, KernelLaunch(_compressed_slot_mapping_kernel, (cdiv(n, _BLOCK_1D),), args,
                                               dict(BLOCK_SIZE=block_size, RATIO=compress_ratio, BLOCK=_BLOCK_1D,
-                                                   TABLE=table),
+                                                   TABLE=table, GATHER=gather),
                                               num_warps=4, device=out.device))
     launch(query_start_loc, seq_lens, block_table, out)
 
@@ -302,12 +324,12 @@ def _c128a_topk_indices_kernel(
     used = o < n
     if t < num_decode:
         req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
+        is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0  # before the stores (_compressed_topk_to_global_kernel)
         slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
                              req + tl.zeros_like(o), o, used, BLOCK_SIZE)
         slot = tl.where(slot > 2147483647, -1, slot)
         tl.store(dec_idx_ptr + t * stride_di_r + o * stride_di_c, slot.to(tl.int32), mask=cols)
         if pid_c == 0:
-            is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
             tl.store(dec_lens_ptr + t * stride_dl, tl.where(is_real, n, 0).to(tl.int32))
     else:
         row = t - num_decode
@@ -397,12 +419,12 @@ def _swa_indices_kernel(
     n = tl.where(pos < 0, 0, tl.minimum(pos, window - 1) + 1)  # no pos + 1: INT64_MAX would wrap
     start = tl.where(pos < 0, 0, pos - n + 1)
     req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
+    is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0  # before the stores (_compressed_topk_to_global_kernel)
     slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
                          req + tl.zeros_like(o), start + o, o < n, BLOCK_SIZE)
     slot = tl.where(slot > 2147483647, -1, slot)
     tl.store(idx_ptr + t * stride_i_r + o * stride_i_c, slot.to(tl.int32), mask=o < window)
     if pid_c == 0:
-        is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
         tl.store(lens_ptr + t * stride_l, tl.where(is_real, n, 0).to(tl.int32))
 
 
@@ -448,6 +470,9 @@ def _compressed_topk_to_global_kernel(
     stride_l = tl.cast(stride_l, tl.int64)
     t = tl.program_id(0).to(tl.int64)
     req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
+    # Loaded before any store: a load placed after a store to ``indices`` (which may alias it) waits
+    # for that store, one more memory round trip per program.
+    is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
     last = tl.zeros([BLOCK], dtype=tl.int32)
     for c0 in range(0, k, BLOCK):
         o = c0 + tl.arange(0, BLOCK).to(tl.int64)
@@ -458,7 +483,6 @@ def _compressed_topk_to_global_kernel(
         slot = tl.where(slot > 2147483647, -1, slot)
         tl.store(idx_ptr + t * stride_i_r + o * stride_i_c, slot.to(tl.int32), mask=cols)
         last = tl.maximum(last, tl.where(slot >= 0, o + 1, 0).to(tl.int32))
-    is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
     tl.store(lens_ptr + t * stride_l, tl.where(is_real, tl.max(last, axis=0), 0))
 
 

@@ -1,8 +1,8 @@
 """Compile the library's Triton kernels for sm_90 without a GPU, check their address arithmetic and
 report their resources.
 
-    python scripts/compile_sm90.py [--ttir-only] [--check-offsets] [--check-load-chains] [--cases NAME ...]
-                                   [--list]
+    python scripts/compile_sm90.py [--ttir-only] [--check-offsets] [--check-load-chains] [--check-stores-last]
+                                   [--cases NAME ...] [--list]
 
 The launchers (``ops/*_triton``) run on small CPU tensors with a stand-in Triton driver whose target is
 sm_90: every ``KernelLaunch`` compiles its kernel exactly as the JIT would on an H100/H200 (same
@@ -15,6 +15,12 @@ bytes an sm_90 block may use).
 no ``tt.load``'s pointer, mask or default derives from a value loaded from memory, so every load is
 issued at the program's start (a mask on the slot's validity would make the rows' loads wait for the
 slot's). Exit status 1 when one does.
+
+``--check-stores-last`` checks that in the kernels of ``STORES_LAST`` (the metadata kernels and the
+cache writers) no ``tt.load`` follows a ``tt.store`` in the TTIR: a load placed after a store to a
+tensor that may alias it waits for that store, one more memory round trip per program (until
+2026-12-04 three metadata kernels loaded ``slot_mapping`` after storing their index rows). Loads inside
+loops are not checked. Exit status 1 when one does.
 
 ``--check-offsets`` checks the offset rule of ``ops/_launch.py`` on the optimised TTIR: no 32-bit
 integer multiplication may reach an address (``tt.addptr``) when one of its operands derives from a
@@ -135,9 +141,11 @@ def case_metadata():
     qsl = torch.tensor([0, 2, 5, 7], dtype=I32)
     seq_lens, bt = torch.tensor([4, 9, 2], dtype=I32), _strided((r, m), I32)
     md_ops.compressed_slot_mapping_triton(qsl, seq_lens, bt, 4, 2, out=torch.empty(t, dtype=I64))
-    many = 40  # past SEARCH_TABLE_MIN: all request starts in one tile, no binary search
-    md_ops.compressed_slot_mapping_triton(torch.arange(many + 1, dtype=I32), torch.full((many,), 9, dtype=I32),
-                                          _strided((many, m), I32), 4, 2, out=torch.empty(many, dtype=I64))
+    # r = 3 requests: each token's start, end and length picked from registers (SEARCH_GATHER_MAX); 40:
+    # all request starts in one tile (SEARCH_TABLE_MIN); 3,000 (past SEARCH_TABLE_MAX): a binary search
+    for many in (40, 3000):
+        md_ops.compressed_slot_mapping_triton(torch.arange(many + 1, dtype=I32), torch.full((many,), 9, dtype=I32),
+                                              _strided((many, m), I32), 4, 2, out=torch.empty(many, dtype=I64))
     pos, ttr, sm = torch.zeros(t, dtype=I64), torch.zeros(t, dtype=I32), torch.zeros(t, dtype=I64)
     md_ops.c128a_topk_indices_triton(pos, ttr, bt, sm, 3, 4, 2, 9, decode_indices=_strided((3, 9), I32),
                                      decode_lens=torch.empty(3, dtype=I32), prefill_indices=_strided((4, 9), I32))
@@ -320,6 +328,32 @@ def offset_violations(ttir: str) -> list[str]:
 LOADS_FIRST = {"_kv_cache_insert_kernel", "_gqa_kv_cache_insert_kernel"}  # kernels --check-load-chains checks
 
 
+STORES_LAST = LOADS_FIRST | {  # kernels --check-stores-last checks
+    "_compressed_slot_mapping_kernel", "_c128a_topk_indices_kernel", "_decode_runtime_metadata_kernel",
+    "_swa_indices_kernel", "_compressed_topk_to_global_kernel"}
+
+
+def loads_after_stores(ttir: str) -> list[str]:
+    """The ``tt.load`` lines outside loops that come after a ``tt.store`` in the TTIR's text (program
+    order). Loads inside a loop body are not checked: a loop that walks a row in tiles (a ``D`` over
+    1,024 in ``kv_cache_insert``) loads each tile after storing the previous one by design."""
+    found, stored, regions = [], False, []  # regions: True for a loop body, False for any other block
+    for raw in ttir.splitlines():
+        line = raw.strip()
+        if line.startswith("}"):
+            kind = regions.pop() if regions else False
+            if line.endswith("{"):  # "} else {", "} do {": the same construct's next region
+                regions.append(kind)
+            continue
+        if re.search(r"\btt\.store\b", line):
+            stored = True
+        elif stored and not any(regions) and re.search(r"= tt\.load\b", line):
+            found.append(line.split(" loc(")[0])
+        if line.endswith("{"):
+            regions.append(bool(re.search(r"\bscf\.(for|while)\b", line)))
+    return found
+
+
 def load_chains(ttir: str) -> list[str]:
     """The ``tt.load`` lines whose pointer, mask or default derives from a value another load returned."""
     defs, _ = _ttir_defs(ttir)
@@ -383,6 +417,8 @@ def main(argv=None) -> int:
     parser.add_argument("--check-offsets", action="store_true", help="exit 1 if a kernel breaks the offset rule")
     parser.add_argument("--check-load-chains", action="store_true",
                         help="exit 1 if a load of a cache writer waits for another load")
+    parser.add_argument("--check-stores-last", action="store_true",
+                        help="exit 1 if a load of a metadata kernel or cache writer follows a store")
     parser.add_argument("--list", action="store_true", help="print each kernel's offending lines")
     args = parser.parse_args(argv)
     _ttir_only(args.ttir_only)
@@ -391,7 +427,7 @@ def main(argv=None) -> int:
         _CASE[0] = case
         CASES[case]()
 
-    failures, chains = defaultdict(set), defaultdict(set)
+    failures, chains, late = defaultdict(set), defaultdict(set), defaultdict(set)
     print(f"{'case':<22} {'kernel':<36} {'regs':>5} {'spill B':>8} {'shared B':>9}")
     for case, name, compiled in COMPILED:
         ttir = compiled if isinstance(compiled, str) else compiled.asm["ttir"]
@@ -401,6 +437,9 @@ def main(argv=None) -> int:
         if args.check_load_chains and name in LOADS_FIRST:
             for line in load_chains(ttir):
                 chains[(case, name)].add(line)
+        if args.check_stores_last and name in STORES_LAST:
+            for line in loads_after_stores(ttir):
+                late[(case, name)].add(line)
         if isinstance(compiled, str):
             continue
         regs, spill = _ptxas_usage(compiled.asm["ptx"])
@@ -413,7 +452,11 @@ def main(argv=None) -> int:
     if args.check_load_chains:
         checked = sum(1 for _, name, _ in COMPILED if name in LOADS_FIRST)
         print(f"{checked} cache-writer launches checked for load chains")
-    return 1 if failures or chains else 0
+    _report(late, "a load follows a store in {} kernel(s):", "load(s) after a store", args.list)
+    if args.check_stores_last:
+        checked = sum(1 for _, name, _ in COMPILED if name in STORES_LAST)
+        print(f"{checked} launches checked for loads after stores")
+    return 1 if failures or chains or late else 0
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import re
 
 import pytest
 import torch
@@ -17,7 +18,7 @@ from hypothesis import strategies as st
 
 import torch_sparse_mla as tsm
 from common import (INTERPRETER, assert_no_recompiles, cached_entries, poison, requires_cuda, requires_interpreter,
-                    set_args)
+                    run_offline_compile, set_args)
 from torch_sparse_mla.ops import metadata as kernels
 
 ops = torch.ops.sparse_mla
@@ -461,12 +462,19 @@ def test_interpreter_extreme_values():
 INTERP_BATCHES = ["mixed", "few_columns", "big_block_ids", "empty"]
 
 
-@pytest.fixture(params=["table", "search"])
+def use_slot_search(monkeypatch, form: str) -> None:
+    """Make ``compressed_slot_mapping``'s kernel find each token's request one way whatever the number
+    of requests: every request's start, end and context length loaded at once (``gather``), all the
+    request starts loaded at once and counted (``table``), or a binary search (``search``)."""
+    monkeypatch.setattr(kernels, "SEARCH_GATHER_MAX", 2**31 if form == "gather" else -1)
+    monkeypatch.setattr(kernels, "SEARCH_TABLE_MIN", 0 if form == "table" else 2**31)
+    monkeypatch.setattr(kernels, "SEARCH_TABLE_MAX", 2**31 if form == "table" else 0)
+
+
+@pytest.fixture(params=["gather", "table", "search"])
 def slot_search(request, monkeypatch):
-    """How ``compressed_slot_mapping``'s kernel finds each token's request: from all the request starts
-    loaded at once (``TABLE``) or by a binary search, whatever the number of requests."""
-    monkeypatch.setattr(kernels, "SEARCH_TABLE_MIN", 0 if request.param == "table" else 2**31)
-    monkeypatch.setattr(kernels, "SEARCH_TABLE_MAX", 2**31 if request.param == "table" else 0)
+    """Each of ``compressed_slot_mapping``'s three ways of finding a token's request (``use_slot_search``)."""
+    use_slot_search(monkeypatch, request.param)
     return request.param
 
 
@@ -597,6 +605,20 @@ def test_interpreter_compressed_topk_to_global(batch):
         kernels.compressed_topk_to_global_triton(b.local_indices, b.token_to_req, b.block_table, b.slot_mapping, 4,
                                                  indices=outs[0], lens=outs[1])
         check_topk(b, 4, outs)
+
+
+def test_loads_precede_stores():
+    """No metadata kernel (nor cache writer) issues a load after one of its stores
+    (``scripts/compile_sm90.py --check-stores-last`` on the sm_90 TTIR): the store may alias the
+    loaded tensor, so such a load waits for the store, a memory round trip more per program. Until
+    2026-12-04 ``swa_indices``, ``c128a_topk_indices`` and ``compressed_topk_to_global`` loaded
+    ``slot_mapping`` after storing their index rows."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    result = run_offline_compile("compile_sm90.py", "--ttir-only", "--check-stores-last", "--list", "--cases",
+                                 "metadata", "kv_cache", "sparse_gqa")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    checked = re.search(r"(\d+) launches checked for loads after stores", result.stdout)
+    assert checked and int(checked.group(1)) >= 6 + 3, result.stdout[-2000:]  # every metadata kernel, writers
 
 
 # =====================================================================================================
@@ -805,10 +827,14 @@ def test_cuda_parity(batch):
 
 
 @requires_cuda
-def test_cuda_compressed_slot_mapping_many_requests(slot_search):
-    """Both ways of finding a token's request on the GPU; garbage starts stay in bounds (under
-    ``scripts/sanitize.sh`` memcheck checks that)."""
-    for seed, num_reqs in ((0, 300), (1, 5000)):
+@pytest.mark.parametrize("form, sizes", [("gather", (40, 7)), ("table", (300, 5000)), ("search", (300, 5000))],
+                         ids=["gather", "table", "search"])
+def test_cuda_compressed_slot_mapping_many_requests(form, sizes, monkeypatch):
+    """The three ways of finding a token's request on the GPU (``gather``, a register tile per request,
+    at sizes it can hold); garbage starts stay in bounds (under ``scripts/sanitize.sh`` memcheck checks
+    that)."""
+    use_slot_search(monkeypatch, form)
+    for seed, num_reqs in enumerate(sizes):
         b = many_requests_batch(seed, num_reqs).to("cuda")
         n = b.positions.shape[0] + 70
         for block_size, ratio in [(4, 2), (3, 1)]:

@@ -158,23 +158,26 @@ def _two_requests() -> Batch:
 @backends
 @examples(40)
 @given(b=metadata_batches(), block_size=st.sampled_from([1, 2, 4, 64]), ratio=st.sampled_from([1, 2, 3, 4, 128]),
-       pad=st.integers(0, 3), table=st.booleans())
-@example(b=_two_requests(), block_size=4, ratio=1, pad=1, table=True)  # every output a slot, in both forms
-@example(b=_two_requests(), block_size=4, ratio=1, pad=1, table=False)
-def test_compressed_slot_mapping(backend, b, block_size, ratio, pad, table):
+       pad=st.integers(0, 3), form=st.sampled_from(["default", "gather", "table", "search"]))
+@example(b=_two_requests(), block_size=4, ratio=1, pad=1, form="table")  # every output a slot, in each form
+@example(b=_two_requests(), block_size=4, ratio=1, pad=1, form="gather")
+@example(b=_two_requests(), block_size=4, ratio=1, pad=1, form="search")
+def test_compressed_slot_mapping(backend, b, block_size, ratio, pad, form):
     l = _lists(b)
     n = l["qsl"][-1] + pad
     args = [to(x, backend) for x in (b.query_start_loc, b.seq_lens, b.block_table)]
     out = to(torch.full((n,), -12345, dtype=I64), backend)
     if backend == "interpreter":
-        # ``table``: the kernel's starts table whatever the number of requests, else its default choice
-        bounds = md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX
+        # ``form``: one of the kernel's ways of finding a token's request whatever the number of
+        # requests (``search``: the binary search), or its default choice
+        bounds = md_ops.SEARCH_GATHER_MAX, md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX
         try:
-            if table:
-                md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX = 0, 2**31
+            if form != "default":
+                md_ops.SEARCH_GATHER_MAX = 2**31 if form == "gather" else -1
+                md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX = (0, 2**31) if form == "table" else (2**31, 0)
             md_ops.compressed_slot_mapping_triton(*args, block_size, ratio, out=out)
         finally:
-            md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX = bounds
+            md_ops.SEARCH_GATHER_MAX, md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX = bounds
     else:
         tsm.compressed_slot_mapping(*args, block_size=block_size, compress_ratio=ratio, out=out)
     assert out.tolist() == ref_compressed_slot_mapping(l["qsl"], l["seq_lens"], l["bt"], n, block_size, ratio)
