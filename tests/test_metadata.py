@@ -498,6 +498,21 @@ def many_requests_batch(seed: int, num_reqs: int = 300) -> Batch:
                                positions=torch.zeros(t, dtype=I64))
 
 
+def few_requests_batch(seed: int, num_reqs: int) -> Batch:
+    """``num_reqs`` requests of 0-400 query tokens (the first, where there are two or more, ends at
+    token 255, the last of the first program of 256), so that a few requests span several programs."""
+    g = torch.Generator().manual_seed(seed)
+    query_lens = torch.randint(0, 401, (num_reqs,), generator=g)
+    if num_reqs > 1:
+        query_lens[0] = 255
+    qsl = torch.cat([torch.zeros(1, dtype=I64), query_lens.cumsum(0)]).to(I32)
+    seq_lens = (query_lens + torch.randint(-1, 40, (num_reqs,), generator=g)).to(I32)
+    t = int(qsl[-1])
+    return dataclasses.replace(make_batch(seed), query_start_loc=qsl, seq_lens=seq_lens,
+                               block_table=torch.randint(-1, 60, (num_reqs, 120), dtype=I32, generator=g),
+                               positions=torch.zeros(t, dtype=I64))
+
+
 def garbage_starts(b: Batch, seed: int) -> Batch:
     """``b`` with a ``query_start_loc`` that is not non-decreasing (negative, repeated, past the tokens,
     the int32 ends): the output is unspecified, but every access must stay in bounds."""
@@ -517,8 +532,8 @@ def check_slots_in_table(b: Batch, block_size: int, out: torch.Tensor):
 
 @requires_interpreter
 def test_interpreter_compressed_slot_mapping_many_requests(slot_search):
-    for seed in range(2):
-        b = many_requests_batch(seed)
+    for seed in range(3):
+        b = many_requests_batch(seed) if seed < 2 else few_requests_batch(seed, 3)
         n = b.positions.shape[0] + 70  # padding past the last request, the last program partial
         for block_size, ratio in [(4, 2), (3, 1)]:
             out = run_compressed_slot_mapping(b, block_size, ratio, n, kernels.compressed_slot_mapping_triton)
@@ -827,15 +842,15 @@ def test_cuda_parity(batch):
 
 
 @requires_cuda
-@pytest.mark.parametrize("form, sizes", [("gather", (40, 7)), ("table", (300, 5000)), ("search", (300, 5000))],
+@pytest.mark.parametrize("form, sizes", [("gather", (1, 2, 5)), ("table", (300, 5000)), ("search", (300, 5000))],
                          ids=["gather", "table", "search"])
 def test_cuda_compressed_slot_mapping_many_requests(form, sizes, monkeypatch):
-    """The three ways of finding a token's request on the GPU (``gather``, a register tile per request,
-    at sizes it can hold); garbage starts stay in bounds (under ``scripts/sanitize.sh`` memcheck checks
-    that)."""
+    """The three ways of finding a token's request on the GPU (``gather``, registers per request, at a
+    few requests of many tokens); garbage starts stay in bounds (under ``scripts/sanitize.sh``
+    memcheck checks that)."""
     use_slot_search(monkeypatch, form)
     for seed, num_reqs in enumerate(sizes):
-        b = many_requests_batch(seed, num_reqs).to("cuda")
+        b = (few_requests_batch if form == "gather" else many_requests_batch)(seed, num_reqs).to("cuda")
         n = b.positions.shape[0] + 70
         for block_size, ratio in [(4, 2), (3, 1)]:
             out = run_compressed_slot_mapping(b, block_size, ratio, n, kernels.compressed_slot_mapping_triton)
