@@ -324,12 +324,15 @@ def _c128a_topk_indices_kernel(
     used = o < n
     if t < num_decode:
         req = tl.load(token_to_req_ptr + t * stride_ttr).to(tl.int64)
-        is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0  # before the stores (_compressed_topk_to_global_kernel)
         slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
                              req + tl.zeros_like(o), o, used, BLOCK_SIZE)
         slot = tl.where(slot > 2147483647, -1, slot)
         tl.store(dec_idx_ptr + t * stride_di_r + o * stride_di_c, slot.to(tl.int32), mask=cols)
         if pid_c == 0:
+            # Loaded after the index stores, unlike swa_indices and compressed_topk_to_global: loaded
+            # before them, an H200 replayed T = 128 0.2-0.3 µs slower in two comparisons (T = 1 and 1024
+            # within 0.13 µs; benchmarks.md, History, "Commit c616a44").
+            is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
             tl.store(dec_lens_ptr + t * stride_dl, tl.where(is_real, n, 0).to(tl.int32))
     else:
         row = t - num_decode

@@ -623,17 +623,17 @@ def test_interpreter_compressed_topk_to_global(batch):
 
 
 def test_loads_precede_stores():
-    """No metadata kernel (nor cache writer) issues a load after one of its stores
-    (``scripts/compile_sm90.py --check-stores-last`` on the sm_90 TTIR): the store may alias the
-    loaded tensor, so such a load waits for the store, a memory round trip more per program. Until
-    2026-12-04 ``swa_indices``, ``c128a_topk_indices`` and ``compressed_topk_to_global`` loaded
+    """No metadata kernel (but ``c128a_topk_indices``, measured slower that way) nor cache writer issues
+    a load after one of its stores (``scripts/compile_sm90.py --check-stores-last`` on the sm_90 TTIR):
+    the store may alias the loaded tensor, so such a load waits for the store, a memory round trip
+    more per program. Until 2026-12-04 ``swa_indices`` and ``compressed_topk_to_global`` loaded
     ``slot_mapping`` after storing their index rows."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     result = run_offline_compile("compile_sm90.py", "--ttir-only", "--check-stores-last", "--list", "--cases",
                                  "metadata", "kv_cache", "sparse_gqa")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     checked = re.search(r"(\d+) launches checked for loads after stores", result.stdout)
-    assert checked and int(checked.group(1)) >= 6 + 3, result.stdout[-2000:]  # every metadata kernel, writers
+    assert checked and int(checked.group(1)) >= 5 + 3, result.stdout[-2000:]  # the metadata kernels, writers
 
 
 # =====================================================================================================
