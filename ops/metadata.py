@@ -460,6 +460,7 @@ def _compressed_topk_to_global_kernel(
     lens_ptr, stride_l,  # int32 [>=T]
     num_req, max_blocks, k,
     BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr,
+    LOOP: tl.constexpr,  # K > BLOCK: the row in a loop of BLOCK columns
 ):
     # One program per token walks all K columns, so ``lens`` (the last non-empty column + 1) needs
     # no cross-program reduction; ``BLOCK`` covers a whole row up to 1,024 columns, so the lookups of
@@ -477,16 +478,31 @@ def _compressed_topk_to_global_kernel(
     # for that store, one more memory round trip per program.
     is_real = tl.load(slot_mapping_ptr + t * stride_sm) >= 0
     last = tl.zeros([BLOCK], dtype=tl.int32)
-    for c0 in range(0, k, BLOCK):
-        o = c0 + tl.arange(0, BLOCK).to(tl.int64)
-        cols = o < k
-        entry = tl.load(local_ptr + t * stride_li_r + o * stride_li_c, mask=cols, other=-1).to(tl.int64)
-        slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
-                             req + tl.zeros_like(o), entry, cols, BLOCK_SIZE)
-        slot = tl.where(slot > 2147483647, -1, slot)
-        tl.store(idx_ptr + t * stride_i_r + o * stride_i_c, slot.to(tl.int32), mask=cols)
-        last = tl.maximum(last, tl.where(slot >= 0, o + 1, 0).to(tl.int32))
+    if LOOP:  # K > BLOCK (1,024)
+        for c0 in range(0, k, BLOCK):
+            last = _topk_columns(local_ptr + t * stride_li_r, stride_li_c, block_table_ptr, stride_bt_r, stride_bt_c,
+                                 idx_ptr + t * stride_i_r, stride_i_c, num_req, max_blocks, k, req, c0, last,
+                                 BLOCK_SIZE, BLOCK)
+    else:  # the whole row in straight-line code
+        last = _topk_columns(local_ptr + t * stride_li_r, stride_li_c, block_table_ptr, stride_bt_r, stride_bt_c,
+                             idx_ptr + t * stride_i_r, stride_i_c, num_req, max_blocks, k, req, 0, last,
+                             BLOCK_SIZE, BLOCK)
     tl.store(lens_ptr + t * stride_l, tl.where(is_real, tl.max(last, axis=0), 0))
+
+
+@triton.jit
+def _topk_columns(local_row, stride_li_c, block_table_ptr, stride_bt_r, stride_bt_c, idx_row, stride_i_c,
+                  num_req, max_blocks, k, req, c0, last, BLOCK_SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    """Columns ``c0 .. c0 + BLOCK - 1`` of one token's row: looks them up, stores them, returns ``last``
+    updated with their last non-empty column + 1."""
+    o = c0 + tl.arange(0, BLOCK).to(tl.int64)
+    cols = o < k
+    entry = tl.load(local_row + o * stride_li_c, mask=cols, other=-1).to(tl.int64)
+    slot = _lookup_slots(block_table_ptr, stride_bt_r, stride_bt_c, num_req, max_blocks,
+                         req + tl.zeros_like(o), entry, cols, BLOCK_SIZE)
+    slot = tl.where(slot > 2147483647, -1, slot)
+    tl.store(idx_row + o * stride_i_c, slot.to(tl.int32), mask=cols)
+    return tl.maximum(last, tl.where(slot >= 0, o + 1, 0).to(tl.int32))
 
 
 def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, slot_mapping, block_size, *,
@@ -505,6 +521,7 @@ def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, s
                 block_table.shape[0], block_table.shape[1], k)
         block = _row_block(k)
         launch = _PLANS.put(key, KernelLaunch(_compressed_topk_to_global_kernel, (num_tokens,), args,
-                                              dict(BLOCK_SIZE=block_size, BLOCK=block), num_warps=_row_warps(block),
+                                              dict(BLOCK_SIZE=block_size, BLOCK=block, LOOP=k > block),
+                                              num_warps=_row_warps(block),
                                               device=local_indices.device))
     launch(local_indices, token_to_req, block_table, slot_mapping, indices, lens)

@@ -152,8 +152,9 @@ def case_metadata():
     md_ops.decode_runtime_metadata_triton(seq_lens, 2, kv_segment_lens=torch.empty(6, dtype=I32),
                                           qo_offset=torch.empty(6, dtype=I32))
     md_ops.swa_indices_triton(pos, ttr, bt, sm, 6, 4, indices=_strided((t, 6), I32), lens=torch.empty(t, dtype=I32))
-    md_ops.compressed_topk_to_global_triton(_strided((t, k), I32), ttr, bt, sm, 4, indices=_strided((t, k), I32),
-                                            lens=torch.empty(t, dtype=I32))
+    for kk in (k, 1100):  # 1100: the row in a loop of 1,024 columns
+        md_ops.compressed_topk_to_global_triton(_strided((t, kk), I32), ttr, bt, sm, 4, indices=_strided((t, kk), I32),
+                                                lens=torch.empty(t, dtype=I32))
 
 
 def _cache(kv_format, dtype=BF16, pages=3, page_size=4, dim=576, pad=5):
