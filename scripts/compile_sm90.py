@@ -152,7 +152,7 @@ def case_metadata():
     md_ops.decode_runtime_metadata_triton(seq_lens, 2, kv_segment_lens=torch.empty(6, dtype=I32),
                                           qo_offset=torch.empty(6, dtype=I32))
     md_ops.swa_indices_triton(pos, ttr, bt, sm, 6, 4, indices=_strided((t, 6), I32), lens=torch.empty(t, dtype=I32))
-    for kk in (k, 1100):  # 1100: the row in a loop of 1,024 columns
+    for kk in (k, 2100):  # 2100: the row in a loop of 2,048 columns
         md_ops.compressed_topk_to_global_triton(_strided((t, kk), I32), ttr, bt, sm, 4, indices=_strided((t, kk), I32),
                                                 lens=torch.empty(t, dtype=I32))
 

@@ -613,7 +613,7 @@ def test_interpreter_swa_indices(batch):
 @requires_interpreter
 @pytest.mark.parametrize("batch", INTERP_BATCHES, ids=str)
 def test_interpreter_compressed_topk_to_global(batch):
-    for k in (13, 200, 1100):  # 1100: two steps of 1,024 columns in the per-token loop
+    for k in (13, 200, 1100, 2100):  # 1100: one step of 2,048 columns (a few tokens); 2100: a loop of 1,024
         b = make_batch(**BATCHES[batch], k=k)
         t = b.local_indices.shape[0]
         outs = (poison(torch.empty(t, k, dtype=I32)), poison(torch.empty(t, dtype=I32)))
@@ -839,6 +839,21 @@ def test_cuda_parity(batch):
     check_topk(b, 4, tsm.compressed_topk_to_global(b.local_indices, b.token_to_req, b.block_table, b.slot_mapping,
                                                    block_size=4))
     check_drm(b.seq_lens.cpu(), 3, tsm.decode_runtime_metadata(b.seq_lens, decode_query_len=3))
+
+
+@requires_cuda
+@pytest.mark.parametrize("one_step", [True, False], ids=["one_step", "loop"])
+def test_cuda_compressed_topk_to_global_long_rows(one_step, monkeypatch):
+    """Rows longer than 1,024 columns (a DeepSeek-V3.2 indexer row is 2,048): one step of 2,048 columns
+    (small calls) or a loop of 1,024-column steps, whatever the number of tokens."""
+    monkeypatch.setattr(kernels, "TOPK_ONE_STEP_MAX_TOKENS", 2**31 if one_step else 0)
+    for k in (1100, 2048):
+        b = make_batch(k, k=k).to("cuda")
+        t = b.local_indices.shape[0]
+        outs = (poison(torch.empty(t, k, dtype=I32, device="cuda")), poison(torch.empty(t, dtype=I32, device="cuda")))
+        kernels.compressed_topk_to_global_triton(b.local_indices, b.token_to_req, b.block_table, b.slot_mapping, 4,
+                                                 indices=outs[0], lens=outs[1])
+        check_topk(b, 4, outs)
 
 
 @requires_cuda
