@@ -201,6 +201,25 @@ def _store_converted(ptrs, x, mask, STORE_DTYPE: tl.constexpr, HW_CVT: tl.conste
 
 
 @triton.jit
+def _load_auto(ptrs, mask, COPY: tl.constexpr, KV_IS_BF16: tl.constexpr):
+    """``auto`` insert: ``COPY``, the raw bits (masked lanes 0); otherwise float32 values."""
+    if COPY:
+        return tl.load(ptrs, mask=mask, other=0)
+    else:
+        return _load_as_f32(ptrs, mask, KV_IS_BF16)
+
+
+@triton.jit
+def _store_auto(ptrs, x, mask, COPY: tl.constexpr, ABS_MASK: tl.constexpr, INF_BITS: tl.constexpr,
+                NAN_BITS: tl.constexpr, STORE_DTYPE: tl.constexpr, HW_CVT: tl.constexpr):
+    """``auto`` insert: writes what ``_load_auto`` returned (``COPY``: the bits, NaN made canonical)."""
+    if COPY:
+        tl.store(ptrs, _canonical_bits(x, ABS_MASK, INF_BITS, NAN_BITS), mask=mask)
+    else:
+        _store_converted(ptrs, x, mask, STORE_DTYPE, HW_CVT)
+
+
+@triton.jit
 def _kv_cache_insert_kernel(
     kv_ptr, stride_kv_n, stride_kv_d,  # [N, D] float32 / fp16, or the int16 view of bf16
     slot_ptr, stride_slot,  # int64 [N]
@@ -240,10 +259,7 @@ def _kv_cache_insert_kernel(
     kv_row = kv_ptr + i * stride_kv_n
     if KV_FORMAT == 0:
         c = tl.arange(0, BLOCK_D)
-        if COPY:  # the first BLOCK_D dims
-            x0 = tl.load(kv_row + c * stride_kv_d, mask=c < dim, other=0)
-        else:
-            x0 = _load_as_f32(kv_row + c * stride_kv_d, c < dim, KV_IS_BF16)
+        x0 = _load_auto(kv_row + c * stride_kv_d, c < dim, COPY, KV_IS_BF16)  # the first BLOCK_D dims
     else:
         t = tl.arange(0, TILES_P2)
         cols = t[:, None] * TILE + tl.arange(0, TILE)[None, :]  # [TILES_P2, TILE]
@@ -258,19 +274,12 @@ def _kv_cache_insert_kernel(
     page_base = page * stride_page  # int64
     if KV_FORMAT == 0:
         row_ptr = cache_ptr + page_base + row * stride_row
-        if COPY:
-            tl.store(row_ptr + c, _canonical_bits(x0, ABS_MASK, INF_BITS, NAN_BITS), mask=(c < dim) & ok)
-        else:
-            _store_converted(row_ptr + c, x0, (c < dim) & ok, STORE_DTYPE, HW_CVT)
+        _store_auto(row_ptr + c, x0, (c < dim) & ok, COPY, ABS_MASK, INF_BITS, NAN_BITS, STORE_DTYPE, HW_CVT)
         for c0 in range(BLOCK_D, dim, BLOCK_D):  # D > BLOCK_D (1,024) only
             cols = c0 + tl.arange(0, BLOCK_D)
             live = cols < dim
-            if COPY:
-                x1 = tl.load(kv_row + cols * stride_kv_d, mask=live, other=0)
-                tl.store(row_ptr + cols, _canonical_bits(x1, ABS_MASK, INF_BITS, NAN_BITS), mask=live & ok)
-            else:
-                x1 = _load_as_f32(kv_row + cols * stride_kv_d, live, KV_IS_BF16)
-                _store_converted(row_ptr + cols, x1, live & ok, STORE_DTYPE, HW_CVT)
+            x1 = _load_auto(kv_row + cols * stride_kv_d, live, COPY, KV_IS_BF16)
+            _store_auto(row_ptr + cols, x1, live & ok, COPY, ABS_MASK, INF_BITS, NAN_BITS, STORE_DTYPE, HW_CVT)
     else:
         record = cache_ptr + page_base + row * ROW_BYTES
         ax = tl.abs(x)
@@ -428,6 +437,8 @@ def _copy_bits(dtype: torch.dtype) -> tuple[torch.dtype, int, int, int]:
     int_dtype = _INT_VIEW[dtype]
     inf_bits = torch.tensor(float("inf"), dtype=dtype).view(int_dtype).item()
     return int_dtype, (1 << (8 * dtype.itemsize - 1)) - 1, inf_bits, NAN_BITS[dtype]
+
+
 # Longest row the copy kernel takes (its first tile is the largest power of two in D); values per
 # program's first tile (the most slots a program takes, see ``_gather_slots``), warps per program. An H200,
 # D = 576 bf16, one call per CUDA graph, µs at N = 1 / 128 / 4096: tiles of 2048 (4 slots) 5.50 / 5.73 /
