@@ -478,6 +478,18 @@ def slot_search(request, monkeypatch):
     return request.param
 
 
+def _requests_batch(seed: int, g: torch.Generator, query_lens: torch.Tensor, max_context: int,
+                    table_cols: int) -> Batch:
+    """A batch of requests of ``query_lens`` tokens, each with -1 to ``max_context`` tokens of context
+    before them, and a block table of ``table_cols`` columns of random block ids (some -1)."""
+    num_reqs = query_lens.shape[0]
+    qsl = torch.cat([torch.zeros(1, dtype=I64), query_lens.cumsum(0)]).to(I32)
+    seq_lens = (query_lens + torch.randint(-1, max_context + 1, (num_reqs,), generator=g)).to(I32)
+    return dataclasses.replace(make_batch(seed), query_start_loc=qsl, seq_lens=seq_lens,
+                               block_table=torch.randint(-1, 60, (num_reqs, table_cols), dtype=I32, generator=g),
+                               positions=torch.zeros(int(qsl[-1]), dtype=I64))
+
+
 def many_requests_batch(seed: int, num_reqs: int = 300) -> Batch:
     """``num_reqs`` requests of 0-3 query tokens, most of one (request starts at nearly every token,
     token 255, the last of the first program of 256, always; several at one token where requests are
@@ -489,13 +501,9 @@ def many_requests_batch(seed: int, num_reqs: int = 300) -> Batch:
         r = int((ends < last).sum())  # the request holding token ``last``, which it now ends before
         if r + 1 < num_reqs and int(ends[r]) > last:
             query_lens[r] -= int(ends[r]) - last
-    qsl = torch.cat([torch.zeros(1, dtype=I64), query_lens.cumsum(0)]).to(I32)
-    assert 255 in qsl.tolist()
-    seq_lens = (query_lens + torch.randint(-1, 12, (num_reqs,), generator=g)).to(I32)
-    t = int(qsl[-1])
-    return dataclasses.replace(make_batch(seed), query_start_loc=qsl, seq_lens=seq_lens,
-                               block_table=torch.randint(-1, 60, (num_reqs, 8), dtype=I32, generator=g),
-                               positions=torch.zeros(t, dtype=I64))
+    b = _requests_batch(seed, g, query_lens, max_context=11, table_cols=8)
+    assert 255 in b.query_start_loc.tolist()
+    return b
 
 
 def few_requests_batch(seed: int, num_reqs: int) -> Batch:
@@ -505,12 +513,7 @@ def few_requests_batch(seed: int, num_reqs: int) -> Batch:
     query_lens = torch.randint(0, 401, (num_reqs,), generator=g)
     if num_reqs > 1:
         query_lens[0] = 255
-    qsl = torch.cat([torch.zeros(1, dtype=I64), query_lens.cumsum(0)]).to(I32)
-    seq_lens = (query_lens + torch.randint(-1, 40, (num_reqs,), generator=g)).to(I32)
-    t = int(qsl[-1])
-    return dataclasses.replace(make_batch(seed), query_start_loc=qsl, seq_lens=seq_lens,
-                               block_table=torch.randint(-1, 60, (num_reqs, 120), dtype=I32, generator=g),
-                               positions=torch.zeros(t, dtype=I64))
+    return _requests_batch(seed, g, query_lens, max_context=39, table_cols=120)
 
 
 def garbage_starts(b: Batch, seed: int) -> Batch:
