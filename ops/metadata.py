@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from ._launch import KernelLaunch, PlanCache, cdiv
+from ._launch import KernelLaunch, PlanCache, cdiv, multiprocessor_count
 from ._triton import tl, triton
 
 INT32_MAX = 2**31 - 1
@@ -463,8 +463,8 @@ def _compressed_topk_to_global_kernel(
     LOOP: tl.constexpr,  # K > BLOCK: the row in a loop of BLOCK columns
 ):
     # One program per token walks all K columns, so ``lens`` (the last non-empty column + 1) needs
-    # no cross-program reduction; ``BLOCK`` covers a whole row up to 1,024 columns (2,048 in small
-    # calls, TOPK_ONE_STEP_MAX_COLS), so the lookups of a row are one batch of loads, not a chain.
+    # no cross-program reduction; ``BLOCK`` covers a whole row up to 1,024 columns (2,048 in calls of
+    # one wave, TOPK_ONE_STEP_MAX_COLS), so the lookups of a row are one batch of loads, not a chain.
     stride_li_r = tl.cast(stride_li_r, tl.int64)
     stride_li_c = tl.cast(stride_li_c, tl.int64)
     stride_ttr = tl.cast(stride_ttr, tl.int64)
@@ -507,11 +507,14 @@ def _topk_columns(local_row, stride_li_c, block_table_ptr, stride_bt_r, stride_b
 
 # ``compressed_topk_to_global`` walks a row of up to 1,024 columns in one step (straight-line code, one
 # batch of loads), a longer one in a loop of 1,024-column steps, except that a row of up to
-# TOPK_ONE_STEP_MAX_COLS (a DeepSeek-V3.2 indexer row is 2,048) in a call of at most
-# TOPK_ONE_STEP_MAX_TOKENS tokens is one step at 16 warps. An H200, K = 2,048, two steps / one step:
-# T = 1 6.34 / 5.70 µs, T = 128 7.14 / 6.30, T = 1024 10.94 / 11.84 (8 warps: 11.52).
+# TOPK_ONE_STEP_MAX_COLS columns (a DeepSeek-V3.2 indexer row is 2,048) is one step at 16 warps while
+# the call's programs fit one wave: TOPK_ONE_STEP_PROGRAMS_PER_SM per multiprocessor (2,048 threads; the
+# sm_90 kernel takes 26 registers a thread, so four programs of 512 threads are resident together).
+# Past one wave the loop's smaller programs keep more loads in flight. An H200 (132 multiprocessors:
+# one wave up to 528 tokens), K = 2,048, CUDA-graph replay, loop / one step, µs: T = 1 7.33 / 6.05,
+# 128 7.58 / 6.69, 256 8.13 / 7.39, 512 8.83 / 8.42, 640 9.38 / 9.98, 1024 11.07 / 11.90.
 TOPK_ONE_STEP_MAX_COLS = 2048
-TOPK_ONE_STEP_MAX_TOKENS = 128
+TOPK_ONE_STEP_PROGRAMS_PER_SM = 4
 
 
 def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, slot_mapping, block_size, *,
@@ -529,7 +532,8 @@ def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, s
                 indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
                 block_table.shape[0], block_table.shape[1], k)
         block, warps = _row_block(k), _row_warps(_row_block(k))
-        if 1024 < k <= TOPK_ONE_STEP_MAX_COLS and num_tokens <= TOPK_ONE_STEP_MAX_TOKENS:
+        one_wave = TOPK_ONE_STEP_PROGRAMS_PER_SM * multiprocessor_count(local_indices.device)
+        if 1024 < k <= TOPK_ONE_STEP_MAX_COLS and num_tokens <= one_wave:
             block, warps = triton.next_power_of_2(k), 16
         launch = _PLANS.put(key, KernelLaunch(_compressed_topk_to_global_kernel, (num_tokens,), args,
                                               dict(BLOCK_SIZE=block_size, BLOCK=block, LOOP=k > block),

@@ -616,13 +616,33 @@ def test_interpreter_swa_indices(batch):
 @requires_interpreter
 @pytest.mark.parametrize("batch", INTERP_BATCHES, ids=str)
 def test_interpreter_compressed_topk_to_global(batch):
-    for k in (13, 200, 1100, 2100):  # 1100: one step of 2,048 columns (a few tokens); 2100: a loop of 1,024
+    for k in (13, 200, 1100, 2100):  # 1100: one step of 2,048 columns (up to 16 tokens); 2100: a loop of 1,024
         b = make_batch(**BATCHES[batch], k=k)
         t = b.local_indices.shape[0]
         outs = (poison(torch.empty(t, k, dtype=I32)), poison(torch.empty(t, dtype=I32)))
         kernels.compressed_topk_to_global_triton(b.local_indices, b.token_to_req, b.block_table, b.slot_mapping, 4,
                                                  indices=outs[0], lens=outs[1])
         check_topk(b, 4, outs)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("fits", [True, False], ids=["one_wave", "past_one_wave"])
+def test_interpreter_topk_one_step_while_one_wave(fits, monkeypatch):
+    """A row of 1,025-2,048 columns is one 2,048-column step at 16 warps while the call's programs fit
+    one wave of the device (``TOPK_ONE_STEP_PROGRAMS_PER_SM`` per multiprocessor), else the loop of
+    1,024-column steps at 8 warps; both give the reference's rows."""
+    b = make_batch(**BATCHES["few_columns"], k=1500)
+    t = b.local_indices.shape[0]
+    monkeypatch.setattr(kernels, "multiprocessor_count", lambda device: 2)
+    monkeypatch.setattr(kernels, "TOPK_ONE_STEP_PROGRAMS_PER_SM", t // 2 if fits else (t - 1) // 2)
+    monkeypatch.setattr(kernels, "_PLANS", kernels.PlanCache())
+    outs = (poison(torch.empty(t, 1500, dtype=I32)), poison(torch.empty(t, dtype=I32)))
+    kernels.compressed_topk_to_global_triton(b.local_indices, b.token_to_req, b.block_table, b.slot_mapping, 4,
+                                             indices=outs[0], lens=outs[1])
+    check_topk(b, 4, outs)
+    (plan,) = kernels._PLANS.values()
+    assert (plan.meta["BLOCK"], plan.meta["LOOP"], plan.options["num_warps"]) == (
+        (2048, False, 16) if fits else (1024, True, 8))
 
 
 def test_loads_precede_stores():
@@ -849,7 +869,7 @@ def test_cuda_parity(batch):
 def test_cuda_compressed_topk_to_global_long_rows(one_step, monkeypatch):
     """Rows longer than 1,024 columns (a DeepSeek-V3.2 indexer row is 2,048): one step of 2,048 columns
     (small calls) or a loop of 1,024-column steps, whatever the number of tokens."""
-    monkeypatch.setattr(kernels, "TOPK_ONE_STEP_MAX_TOKENS", 2**31 if one_step else 0)
+    monkeypatch.setattr(kernels, "TOPK_ONE_STEP_PROGRAMS_PER_SM", 2**31 if one_step else 0)
     for k in (1100, 2048):
         b = make_batch(k, k=k).to("cuda")
         t = b.local_indices.shape[0]
