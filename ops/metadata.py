@@ -531,9 +531,10 @@ def compressed_topk_to_global_triton(local_indices, token_to_req, block_table, s
                 block_table, block_table.stride(0), block_table.stride(1), slot_mapping, slot_mapping.stride(0),
                 indices, indices.stride(0), indices.stride(1), lens, lens.stride(0),
                 block_table.shape[0], block_table.shape[1], k)
-        block, warps = _row_block(k), _row_warps(_row_block(k))
-        one_wave = TOPK_ONE_STEP_PROGRAMS_PER_SM * multiprocessor_count(local_indices.device)
-        if 1024 < k <= TOPK_ONE_STEP_MAX_COLS and num_tokens <= one_wave:
+        block = _row_block(k)
+        warps = _row_warps(block)
+        if (1024 < k <= TOPK_ONE_STEP_MAX_COLS
+                and num_tokens <= TOPK_ONE_STEP_PROGRAMS_PER_SM * multiprocessor_count(local_indices.device)):
             block, warps = triton.next_power_of_2(k), 16
         launch = _PLANS.put(key, KernelLaunch(_compressed_topk_to_global_kernel, (num_tokens,), args,
                                               dict(BLOCK_SIZE=block_size, BLOCK=block, LOOP=k > block),
