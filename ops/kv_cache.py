@@ -332,9 +332,9 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
         dim = kv.shape[1]
         args = (kv_in, kv.stride(0), kv.stride(1), slot_mapping, slot_mapping.stride(0),
                 cache, kv_cache.stride(0), kv_cache.stride(1), pages * page_size, dim)
-        meta = dict(PAGE_SIZE=page_size, KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16, STORE_DTYPE=store,
-                    BLOCK_D=min(next_pow2(max(dim, 1)), 1024), COPY=copy, ABS_MASK=abs_mask, INF_BITS=inf_bits,
-                    NAN_BITS=nan_bits, HW_CVT=kv.device.type == "cuda")
+        meta = dict(PAGE_SIZE=page_size, KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16,
+                    STORE_DTYPE=store, BLOCK_D=min(next_pow2(max(dim, 1)), 1024), COPY=copy, ABS_MASK=abs_mask,
+                    INF_BITS=inf_bits, NAN_BITS=nan_bits, HW_CVT=kv.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_insert_kernel, (n,), args, meta, num_warps=4,
                                               device=kv.device, reinterpret=True))
     launch(kv, slot_mapping, kv_cache)
@@ -497,8 +497,7 @@ def kv_cache_gather_triton(kv_cache, slots, kv_format, dtype=None, *, out):
             tail = next_pow2(dim - chunk)
         block_n = _gather_slots(n, prev_pow2(_GATHER_TILE // (chunk + tail)))
         meta = dict(PAGE_SIZE=kv_cache.shape[1], DIM=dim, CHUNK=chunk, TAIL=tail, KV_FORMAT=FORMAT_IDS[kv_format],
-                    STORE_DTYPE=store,
-                    BLOCK_N=block_n, HW_CVT=out.device.type == "cuda")
+                    STORE_DTYPE=store, BLOCK_N=block_n, HW_CVT=out.device.type == "cuda")
         launch = _PLANS.put(key, KernelLaunch(_kv_cache_gather_kernel, (cdiv(n, block_n),), args, meta,
                                               num_warps=4, device=out.device, reinterpret=True))
     launch(kv_cache, slots, out)
