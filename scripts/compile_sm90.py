@@ -140,10 +140,11 @@ def case_metadata():
     r, m, t, k = 3, 5, 7, 9
     qsl = torch.tensor([0, 2, 5, 7], dtype=I32)
     seq_lens, bt = torch.tensor([4, 9, 2], dtype=I32), _strided((r, m), I32)
+    # r = 3 requests: a binary search (between SEARCH_GATHER_MAX and SEARCH_TABLE_MIN)
     md_ops.compressed_slot_mapping_triton(qsl, seq_lens, bt, 4, 2, out=torch.empty(t, dtype=I64))
-    # r = 3 requests: each token's start, end and length picked from registers (SEARCH_GATHER_MAX); 40:
-    # all request starts in one tile (SEARCH_TABLE_MIN); 3,000 (past SEARCH_TABLE_MAX): a binary search
-    for many in (40, 3000):
+    # 2 requests: each token's start, end and length picked from registers (up to SEARCH_GATHER_MAX); 40:
+    # all request starts in one tile (from SEARCH_TABLE_MIN); 3,000 (past SEARCH_TABLE_MAX): a binary search
+    for many in (2, 40, 3000):
         md_ops.compressed_slot_mapping_triton(torch.arange(many + 1, dtype=I32), torch.full((many,), 9, dtype=I32),
                                               _strided((many, m), I32), 4, 2, out=torch.empty(many, dtype=I64))
     pos, ttr, sm = torch.zeros(t, dtype=I64), torch.zeros(t, dtype=I32), torch.zeros(t, dtype=I64)
@@ -152,7 +153,9 @@ def case_metadata():
     md_ops.decode_runtime_metadata_triton(seq_lens, 2, kv_segment_lens=torch.empty(6, dtype=I32),
                                           qo_offset=torch.empty(6, dtype=I32))
     md_ops.swa_indices_triton(pos, ttr, bt, sm, 6, 4, indices=_strided((t, 6), I32), lens=torch.empty(t, dtype=I32))
-    for kk in (k, 2100):  # 2100: the row in a loop of 2,048 columns
+    # 1100: one step of 2,048 columns at 16 warps (the call's programs fit one wave); 2100: the row in a loop
+    # of 1,024-column steps
+    for kk in (k, 1100, 2100):
         md_ops.compressed_topk_to_global_triton(_strided((t, kk), I32), ttr, bt, sm, 4, indices=_strided((t, kk), I32),
                                                 lens=torch.empty(t, dtype=I32))
 
