@@ -34,6 +34,7 @@ from test_metadata import (
     ref_decode_runtime_metadata,
     ref_swa,
     ref_topk_to_global,
+    use_slot_search,
 )
 from test_sparse_gqa import _keys_read as gqa_keys_read
 from test_sparse_gqa import reference as gqa_reference
@@ -170,14 +171,10 @@ def test_compressed_slot_mapping(backend, b, block_size, ratio, pad, form):
     if backend == "interpreter":
         # ``form``: one of the kernel's ways of finding a token's request whatever the number of
         # requests (``search``: the binary search), or its default choice
-        bounds = md_ops.SEARCH_GATHER_MAX, md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX
-        try:
+        with pytest.MonkeyPatch.context() as mp:
             if form != "default":
-                md_ops.SEARCH_GATHER_MAX = 2**31 if form == "gather" else -1
-                md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX = (0, 2**31) if form == "table" else (2**31, 0)
+                use_slot_search(mp, form)
             md_ops.compressed_slot_mapping_triton(*args, block_size, ratio, out=out)
-        finally:
-            md_ops.SEARCH_GATHER_MAX, md_ops.SEARCH_TABLE_MIN, md_ops.SEARCH_TABLE_MAX = bounds
     else:
         tsm.compressed_slot_mapping(*args, block_size=block_size, compress_ratio=ratio, out=out)
     assert out.tolist() == ref_compressed_slot_mapping(l["qsl"], l["seq_lens"], l["bt"], n, block_size, ratio)
