@@ -63,8 +63,8 @@ def _check_per_token(lead_name, lead, lead_dtypes, lead_ndim, token_to_req, bloc
     check_tensor(lead_name, lead, dtypes=lead_dtypes, ndim=lead_ndim)
     device = lead.device
     check_tensor("token_to_req", token_to_req, dtypes=INDEX_DTYPES, ndim=1, device=device)
+    _check_block_table(block_table, device)  # in schema order, so an error names the first bad argument
     check_tensor("slot_mapping", slot_mapping, dtypes=SLOT_DTYPES, ndim=1, device=device)
-    _check_block_table(block_table, device)
     num_tokens = lead.shape[0]
     what = "len(positions)" if lead_ndim == 1 else f"{lead_name}.shape[0]"
     check_size("token_to_req", token_to_req, 0, num_tokens, what)

@@ -24,6 +24,7 @@ import torch
 
 from ._common import (
     INDEX_DTYPES,
+    INT32_MAX,
     SLOT_DTYPES,
     check_positive,
     check_size,
@@ -155,7 +156,7 @@ def _check_sparse_gqa_decode(q, kv_cache, topk_pages, block_table, kv_segment_le
     check_size("topk_pages", topk_pages, 1, num_kv_heads, "the number of KV heads (one list per KV head)")
     check_size("kv_segment_lens", kv_segment_lens, 0, num_tokens, "q.shape[0]")
     check_size("qo_offset", qo_offset, 0, num_tokens, "q.shape[0]")
-    check_positive("decode_query_len", decode_query_len)
+    check_positive("decode_query_len", decode_query_len, maximum=INT32_MAX)
     for name, value in (("softmax_scale", softmax_scale), ("q_scale", q_scale), ("k_scale", k_scale),
                         ("v_scale", v_scale)):
         check_scale(name, value)

@@ -13,12 +13,12 @@ import re
 import pytest
 import torch
 from expecttest import assert_expected_inline
-from hypothesis import given, settings
+from hypothesis import given
 from hypothesis import strategies as st
 
 import torch_sparse_mla as tsm
-from common import (INTERPRETER, assert_no_recompiles, cached_entries, poison, requires_cuda, requires_interpreter,
-                    run_offline_compile, set_args)
+from common import (INTERPRETER, assert_no_recompiles, cached_entries, examples, poison, requires_cuda,
+                    requires_interpreter, run_offline_compile, set_args)
 from torch_sparse_mla.ops import metadata as kernels
 
 ops = torch.ops.sparse_mla
@@ -371,7 +371,7 @@ def test_non_contiguous_inputs():
         check_swa(b, 6, 4, outs)
 
 
-@settings(max_examples=60, deadline=None)
+@examples(60)
 @given(
     query_lens=st.lists(st.integers(0, 6), max_size=6),
     context=st.lists(st.integers(-3, 40), min_size=6, max_size=6),
@@ -771,6 +771,11 @@ ERRORS = {
                               r"block_size: expected an int <= 2147483647, got 1099511627776"),
     "block_table_device": ("swa_indices", set_args(block_table=lambda a: a["block_table"].to("meta")),
                            r"block_table: expected a tensor on cpu \(where the first argument is\), got meta"),
+    # several bad arguments: the first in schema order is named (block_table before slot_mapping)
+    "block_table_and_slot_mapping_device": ("compressed_topk_to_global",
+                                            set_args(block_table=lambda a: a["block_table"].to("meta"),
+                                                     slot_mapping=lambda a: a["slot_mapping"].to("meta")),
+                                            r"block_table: expected a tensor on cpu"),
     "query_start_loc_len": ("compressed_slot_mapping", set_args(query_start_loc=lambda a: a["query_start_loc"][:-1]),
                             r"query_start_loc: expected shape\[0\] == len\(seq_lens\) \+ 1"),
     "num_tokens_missing": ("compressed_slot_mapping", _drop("num_tokens"), r"num_tokens: required"),

@@ -158,6 +158,21 @@ def test_mixed_devices_rejected(case, name, where, device):
             message
 
 
+@pytest.mark.parametrize("case", list(operator_cases()), ids=str)
+def test_mixed_devices_name_the_first_in_schema_order(case):
+    """Two tensor arguments (after the first, which sets the device) on another device (``meta``: no
+    GPU needed): the error names the earlier of the two in the schema, for every pair."""
+    overload, args, outputs = operator_cases()[case]
+    tensors = _tensor_arguments(overload, args, outputs)[1:]
+    pairs = [(a, b) for i, a in enumerate(tensors) for b in tensors[i + 1:]]
+    for (name, where), (_, other) in pairs:
+        moved_args = tuple(t.to("meta") if i in (where, other) and isinstance(t, torch.Tensor) else t
+                           for i, t in enumerate(args))
+        moved_outputs = {n: t.to("meta") if n in (where, other) else t for n, t in outputs.items()}
+        with pytest.raises(ValueError) as info:
+            overload(*moved_args, **moved_outputs)
+        assert str(info.value).startswith(f"{name}: expected a tensor on "), (name, other, str(info.value))
+
 @_skip_cuda1_on_one_gpu
 @pytest.mark.parametrize("case", list(operator_cases()), ids=str)
 def test_one_device_accepted(case):

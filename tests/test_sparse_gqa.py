@@ -1290,6 +1290,8 @@ _BAD_INPUTS = {
                             r"kv_segment_lens: expected shape\[0\]"),
     "qo_offset_dtype": (lambda a: a.update(qo_offset=a["qo_offset"].long()), "qo_offset: expected dtype int32"),
     "decode_query_len": (lambda a: a.update(decode_query_len=0), "decode_query_len: expected an int >= 1"),
+    "decode_query_len_past_int32": (lambda a: a.update(decode_query_len=2**31),
+                                    r"decode_query_len: expected an int <= 2147483647"),
     "softmax_scale_nan": (lambda a: a.update(softmax_scale=float("nan")), "softmax_scale: expected a finite float"),
     "q_scale_inf": (lambda a: a.update(q_scale=float("inf")), "q_scale: expected a finite float"),
     "k_scale_neg_inf": (lambda a: a.update(k_scale=-float("inf")), "k_scale: expected a finite float"),
