@@ -9,11 +9,28 @@ import sys
 
 import pytest
 import torch
+from hypothesis import HealthCheck, settings
 
 HAS_CUDA = torch.cuda.is_available()
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1"
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Property-test example counts (docs/testing.md, "Property-test profiles"): ``ci`` (the default without
+# a GPU: derandomised, reproducible), ``gpu`` (the default with one: ten times more, random),
+# ``thorough`` (a hundred times ``ci``).
+_FACTOR = {"ci": 1, "gpu": 10, "thorough": 100}
+_PROFILE = os.environ.get("TSM_HYPOTHESIS_PROFILE", "gpu" if HAS_CUDA else "ci")
+if _PROFILE not in _FACTOR:
+    raise ValueError(f"TSM_HYPOTHESIS_PROFILE: expected one of {sorted(_FACTOR)}, got {_PROFILE!r}")
+
+
+def examples(n: int):
+    """``settings`` for a property test that runs ``n`` examples in the ci profile."""
+    return settings(max_examples=n * _FACTOR[_PROFILE], deadline=None, database=None,
+                    derandomize=_PROFILE == "ci", print_blob=True,
+                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                           HealthCheck.filter_too_much])
 
 
 def run_offline_compile(script: str, *args: str) -> subprocess.CompletedProcess:

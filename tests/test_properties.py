@@ -16,16 +16,14 @@ suite stays fast and reproducible) or ``gpu`` (default with a GPU: ten times mor
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
-from hypothesis import HealthCheck, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 import formats_reference as ref
 import torch_sparse_mla as tsm
-from common import HAS_CUDA, INTERPRETER
+from common import HAS_CUDA, INTERPRETER, examples
 from test_kv_cache import naive_gather, naive_insert, raw_bytes
 from test_metadata import (
     Batch,
@@ -50,18 +48,6 @@ BF16, F16, F32, FP8 = torch.bfloat16, torch.float16, torch.float32, torch.float8
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
-_FACTOR = {"ci": 1, "gpu": 10, "thorough": 100}
-_PROFILE = os.environ.get("TSM_HYPOTHESIS_PROFILE", "gpu" if HAS_CUDA else "ci")
-if _PROFILE not in _FACTOR:
-    raise ValueError(f"TSM_HYPOTHESIS_PROFILE: expected one of {sorted(_FACTOR)}, got {_PROFILE!r}")
-
-
-def examples(n: int):
-    """``settings`` for a test that runs ``n`` examples in the ci profile."""
-    return settings(max_examples=n * _FACTOR[_PROFILE], deadline=None, database=None,
-                    derandomize=_PROFILE == "ci", print_blob=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.filter_too_much])
 
 
 # The cuda backend carries the `cuda` marker, so marker selections (scripts/sanitize.sh) include it.

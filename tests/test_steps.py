@@ -594,7 +594,7 @@ def _check_aoti_package(model: str, device: str, tmp_path):
 
 
 @quiet_treespec
-@pytest.mark.parametrize("model", ["deepseek_v4", "minimax_m3"])
+@pytest.mark.parametrize("model", EXPORT_MODELS)
 def test_aoti_package_matches_eager(model, tmp_path):
     _check_aoti_package(model, "cpu", tmp_path)
 
