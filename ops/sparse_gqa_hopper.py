@@ -655,7 +655,6 @@ if HAS_GLUON:
             lane_bases=[[0, 1, 0, 0], [0, 2, 0, 0], [1, 0, 0, 0], [2, 0, 0, 0], [4, 0, 0, 0]],
             warp_bases=[[16, 0, 0, 0], [32, 0, 0, 0]], block_bases=[], shape=[_BN, 4, 2, 8])
         RAW4: gl.constexpr = gl.SwizzledSharedLayout(vec=16, per_phase=1, max_phase=1, order=[3, 2, 1, 0])
-        SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
         data = dat.index(stage).reinterpret(gl.uint8, [_BN, 4, 2, 8], RAW4).load(DL4)
         SC2: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[1, 0])
         # the two groups' scale bytes of each (key, lane column) in one 16-bit load
