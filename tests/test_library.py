@@ -83,6 +83,25 @@ def test_plain_eager_calls_skip_the_dispatcher(dispatched):
     torch.testing.assert_close(lse, lse2, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("functional", [True, False], ids=["functional", "out"])
+def test_a_known_signature_on_another_device_is_checked_again(functional):
+    """The direct path's signature includes the device: a call that differs from an accepted one only
+    in a tensor's device (a ``meta`` tensor, whose ``get_device()`` is -1 like a CPU tensor's) is
+    checked, not run with the accepted call's kernel; so is a whole call of meta tensors."""
+    positions, token_to_req, block_table, slot_mapping = swa_inputs()
+    out = (torch.empty(4, 4, dtype=torch.int32), torch.empty(4, dtype=torch.int32))
+    kwargs = dict(window=4, block_size=2, **({} if functional else {"out": out}))
+    for _ in range(2):  # accepted, then known
+        tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, **kwargs)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=r"block_table: expected a tensor on cpu \(where the first argument "
+                                             r"is\), got meta"):
+            tsm.swa_indices(positions, token_to_req, block_table.to("meta"), slot_mapping, **kwargs)
+    if functional:  # meta tensors throughout: the fake's outputs, on meta
+        meta = [t.to("meta") for t in (positions, token_to_req, block_table, slot_mapping)]
+        indices, lens = tsm.swa_indices(*meta, **kwargs)
+        assert indices.device.type == lens.device.type == "meta" and indices.shape == (4, 4)
+
 def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     positions, token_to_req, block_table, slot_mapping = swa_inputs()
     bad = block_table.to(torch.int64)

@@ -511,12 +511,13 @@ def _argument_kinds(overload: str) -> tuple:
 
 def _direct_key(args: tuple, outputs) -> tuple:
     """:func:`_metadata_key` plus what decides whether a call may skip the dispatcher: the class of
-    every argument and ``requires_grad`` of every tensor. Raises ``TypeError`` for an unhashable
-    argument."""
-    key = [(a.__class__, a.shape, a.stride(), a.dtype, a.get_device(), a.requires_grad) if isinstance(a, _Tensor)
+    every argument, ``requires_grad`` of every tensor, and its device itself (this path sees tensors of
+    every device type, and ``get_device()`` is -1 for a CPU and a ``meta`` tensor alike). Raises
+    ``TypeError`` for an unhashable argument."""
+    key = [(a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, _Tensor)
            else (a.__class__, a) for a in args]
     for a in outputs:
-        key.append((a.__class__, a.shape, a.stride(), a.dtype, a.get_device(), a.requires_grad))
+        key.append((a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad))
     return tuple(key)
 
 
