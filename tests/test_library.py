@@ -102,6 +102,33 @@ def test_a_known_signature_on_another_device_is_checked_again(functional):
         indices, lens = tsm.swa_indices(*meta, **kwargs)
         assert indices.device.type == lens.device.type == "meta" and indices.shape == (4, 4)
 
+def test_inference_tensors_written_outside_inference_mode_take_the_dispatcher(dispatched):
+    """A cache or ``out`` buffer created under ``torch.inference_mode()`` and written outside it: the
+    call goes through the dispatcher, which refuses it (a CUDA kernel called directly would write it);
+    inside the mode the same call stays direct, and so does one with a normal tensor written."""
+    kv, slots = torch.randn(3, 576), torch.tensor([0, 5, 9])
+    positions, token_to_req, block_table, slot_mapping = swa_inputs()
+    with torch.inference_mode():
+        cache = torch.zeros(4, 8, 576, dtype=torch.bfloat16)
+        out = (torch.empty(4, 4, dtype=torch.int32), torch.empty(4, dtype=torch.int32))
+    normal = torch.zeros(4, 8, 576, dtype=torch.bfloat16)
+    for _ in range(2):  # the signature accepted, then known
+        tsm.kv_cache_insert(kv, slots, normal)
+        tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, window=4, block_size=2,
+                        out=(out[0].clone(), out[1].clone()))
+    assert dispatched == []
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        tsm.kv_cache_insert(kv, slots, cache)
+    assert dispatched == ["kv_cache_insert"]
+    with pytest.raises(RuntimeError, match="Inplace update to inference tensor outside InferenceMode"):
+        tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, window=4, block_size=2, out=out)
+    assert dispatched == ["kv_cache_insert", "swa_indices.out"]
+    with torch.inference_mode():
+        tsm.kv_cache_insert(kv, slots, cache)
+        tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, window=4, block_size=2, out=out)
+    assert dispatched == ["kv_cache_insert", "swa_indices.out"]
+    assert torch.equal(cache, normal)
+
 def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     positions, token_to_req, block_table, slot_mapping = swa_inputs()
     bad = block_table.to(torch.int64)

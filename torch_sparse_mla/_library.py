@@ -480,8 +480,10 @@ def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, func
 # its schema type. The fake runs first, as in the registered implementations, so results and errors
 # are identical. Whether a signature qualifies is decided once and cached with the fake's verdict
 # (the classes and ``requires_grad`` of the tensors are part of that signature); the modes are
-# checked on every call. Anything else goes through ``torch.ops.sparse_mla``, which is also what
-# ``torch.ops.sparse_mla.*`` called directly, and compiled code, always use.
+# checked on every call, and so is a written tensor created under ``torch.inference_mode()`` (outside
+# that mode the dispatcher refuses to write it, which a CUDA kernel called directly would not).
+# Anything else goes through ``torch.ops.sparse_mla``, which is also what ``torch.ops.sparse_mla.*``
+# called directly, and compiled code, always use.
 
 #: Set to False to send every call of the public functions through the dispatcher (the benchmark's
 #: host-overhead table measures both).
@@ -496,6 +498,7 @@ _function_mode = torch._C._is_torch_function_mode_enabled
 _transforms = torch._C._functorch.peek_interpreter_stack
 _jit_tracing = torch._C._get_tracing_state
 _profiler = torch.autograd.profiler
+_inference_mode = torch.is_inference_mode_enabled
 _KINDS = {"Tensor": _Tensor, "Optional[Tensor]": None, "float": float, "int": int, "SymInt": int, "str": str,
           "Optional[ScalarType]": _dtype}
 
@@ -609,14 +612,30 @@ def _lookup(seen: "_Validated", args: tuple, outputs) -> tuple:
         return None, _NOT_DIRECT
 
 
+def _writes_inference(args: tuple, outputs: dict, written_args: tuple) -> bool:
+    """Whether a tensor the call writes (an ``out`` buffer, or a cache at ``written_args``) was created
+    under ``torch.inference_mode()``."""
+    for t in outputs.values():
+        if t.__class__ is _Tensor and t.is_inference():
+            return True
+    for i in written_args:
+        t = args[i] if i < len(args) else None
+        if t.__class__ is _Tensor and t.is_inference():
+            return True
+    return False
+
+
 def _out_direct(name: str, fake_out, cpu, cuda):
     """Direct call of an ``out`` overload (or of a writing operator's only overload). The public
     functions pass the outputs in schema order, so the signature need not name them."""
     seen = _Validated()  # signature -> (kernel, overlap layout, recorded launches or None), or _NOT_DIRECT
     positional, written_names = _written_args(name)
     kinds = _argument_kinds(name)
+    written_args = tuple(i for i, n in enumerate(positional) if n in written_names)  # kv_cache of the writers
 
     def direct(args, outputs):
+        if not _inference_mode() and _writes_inference(args, outputs, written_args):
+            return _NOT_DIRECT  # the dispatcher refuses it: an inference tensor written outside the mode
         key, entry = _lookup(seen, args, outputs.values())
         if entry is None:
             on_cuda = _qualifies(kinds, args, outputs)
