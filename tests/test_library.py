@@ -129,6 +129,30 @@ def test_inference_tensors_written_outside_inference_mode_take_the_dispatcher(di
     assert dispatched == ["kv_cache_insert", "swa_indices.out"]
     assert torch.equal(cache, normal)
 
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated")
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "quantized", "mkldnn"])
+def test_tensors_of_other_layouts_take_the_dispatcher(dispatched, layout):
+    """A sparse, quantised or mkldnn tensor (each reports ``is_cpu``) sends the call through the
+    dispatcher, whose error is the one ``torch.ops.sparse_mla`` gives, also after a strided call of
+    the same shapes has been accepted."""
+    positions, token_to_req, block_table, slot_mapping = swa_inputs()
+    if layout == "mkldnn" and not torch.backends.mkldnn.is_available():
+        pytest.skip("this torch build has no mkldnn")
+    if layout == "quantized" and not hasattr(torch, "quantize_per_tensor"):
+        pytest.skip("this torch release has no quantised tensors")
+    odd = {"sparse_coo": lambda t: t.to_sparse(), "sparse_csr": lambda t: t.to_sparse_csr(),
+           "quantized": lambda t: torch.quantize_per_tensor(t.float(), 1.0, 0, torch.qint32),
+           "mkldnn": lambda t: t.float().to_mkldnn()}[layout](block_table)
+    tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, window=4, block_size=2)
+    assert dispatched == []
+    with pytest.raises(NotImplementedError) as direct:
+        tsm.swa_indices(positions, token_to_req, odd, slot_mapping, window=4, block_size=2)
+    assert dispatched == ["swa_indices"]
+    with pytest.raises(NotImplementedError) as dispatcher:
+        torch.ops.sparse_mla.swa_indices(positions, token_to_req, odd, slot_mapping, 4, 2)
+    assert str(direct.value) == str(dispatcher.value)
+
 def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     positions, token_to_req, block_table, slot_mapping = swa_inputs()
     bad = block_table.to(torch.int64)

@@ -475,15 +475,15 @@ def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, func
 # unboxing) costs several microseconds per call, as much as the library's own checks. The public
 # functions therefore call the kernels themselves, through the same checks, when nothing the
 # dispatcher would do can matter: plain eager execution (not compiling, tracing, vmapping or
-# profiling; no dispatch or torch-function mode active), every tensor argument an exact
-# ``torch.Tensor`` on CPU or CUDA that does not require a gradient, every other argument of exactly
-# its schema type. The fake runs first, as in the registered implementations, so results and errors
-# are identical. Whether a signature qualifies is decided once and cached with the fake's verdict
-# (the classes and ``requires_grad`` of the tensors are part of that signature); the modes are
-# checked on every call, and so is a written tensor created under ``torch.inference_mode()`` (outside
-# that mode the dispatcher refuses to write it, which a CUDA kernel called directly would not).
-# Anything else goes through ``torch.ops.sparse_mla``, which is also what ``torch.ops.sparse_mla.*``
-# called directly, and compiled code, always use.
+# profiling; no dispatch or torch-function mode active), every tensor argument an exact strided,
+# unquantised ``torch.Tensor`` on CPU or CUDA that does not require a gradient, every other argument
+# of exactly its schema type. The fake runs first, as in the registered implementations, so results
+# and errors are identical. Whether a signature qualifies is decided once and cached with the fake's
+# verdict (the classes, devices, layouts and ``requires_grad`` of the tensors are part of that
+# signature); the modes are checked on every call, and so is a written tensor created under
+# ``torch.inference_mode()`` (outside that mode the dispatcher refuses to write it, which a CUDA kernel
+# called directly would not). Anything else goes through ``torch.ops.sparse_mla``, which is also what
+# ``torch.ops.sparse_mla.*`` called directly, and compiled code, always use.
 
 #: Set to False to send every call of the public functions through the dispatcher (the benchmark's
 #: host-overhead table measures both).
@@ -493,6 +493,7 @@ _OVERLOADS: dict[str, object] = {}  # overload -> torch.ops.sparse_mla OpOverloa
 _NOT_DIRECT = object()  # what a direct call returns when the dispatcher must take the call
 _Tensor = torch.Tensor
 _dtype = torch.dtype
+_strided = torch.strided
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
 _transforms = torch._C._functorch.peek_interpreter_stack
@@ -514,13 +515,14 @@ def _argument_kinds(overload: str) -> tuple:
 
 def _direct_key(args: tuple, outputs) -> tuple:
     """:func:`_metadata_key` plus what decides whether a call may skip the dispatcher: the class of
-    every argument, ``requires_grad`` of every tensor, and its device itself (this path sees tensors of
-    every device type, and ``get_device()`` is -1 for a CPU and a ``meta`` tensor alike). Raises
-    ``TypeError`` for an unhashable argument."""
-    key = [(a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad) if isinstance(a, _Tensor)
-           else (a.__class__, a) for a in args]
+    every argument, ``requires_grad`` and the layout of every tensor, and its device itself (this path
+    sees tensors of every device type and layout, and ``get_device()`` is -1 for a CPU and a ``meta``
+    tensor alike). Raises ``TypeError`` for an unhashable argument (``RuntimeError`` for a tensor
+    without strides)."""
+    key = [(a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.layout)
+           if isinstance(a, _Tensor) else (a.__class__, a) for a in args]
     for a in outputs:
-        key.append((a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad))
+        key.append((a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.layout))
     return tuple(key)
 
 
@@ -540,8 +542,8 @@ def _qualifies(kinds: tuple, args: tuple, outputs: dict) -> bool | None:
             return None
     on_cuda = False
     for t in tensors:
-        if t.__class__ is not _Tensor or t.requires_grad:
-            return None
+        if t.__class__ is not _Tensor or t.requires_grad or t.layout is not _strided or t.is_quantized:
+            return None  # the dispatcher's own error for a sparse, mkldnn or quantized tensor
         if t.is_cuda:
             on_cuda = True
         elif not t.is_cpu:
@@ -604,11 +606,11 @@ def _replay(record, pool: tuple) -> bool:
 
 
 def _lookup(seen: "_Validated", args: tuple, outputs) -> tuple:
-    """``(signature, its cached entry or None)``; ``(None, _NOT_DIRECT)`` for an unhashable argument,
-    which only the dispatcher can reject properly."""
+    """``(signature, its cached entry or None)``; ``(None, _NOT_DIRECT)`` for an unhashable argument
+    or a tensor without strides (sparse CSR), which only the dispatcher can reject properly."""
     try:
         return seen.find(args, outputs, _direct_key)
-    except TypeError:
+    except (TypeError, RuntimeError):
         return None, _NOT_DIRECT
 
 
