@@ -5,6 +5,8 @@ launch path (``ops/_launch.py``)."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -152,6 +154,83 @@ def test_tensors_of_other_layouts_take_the_dispatcher(dispatched, layout):
     with pytest.raises(NotImplementedError) as dispatcher:
         torch.ops.sparse_mla.swa_indices(positions, token_to_req, odd, slot_mapping, 4, 2)
     assert str(direct.value) == str(dispatcher.value)
+
+def test_a_nested_tensor_after_a_known_signature_is_refused():
+    """A strided nested tensor where a known signature has a dense one: the call goes to the dispatcher
+    and raises its error (PyTorch's tensor guard, which recognises known signatures, would end the
+    process on it). In a subprocess, so that a regression cannot take the test session down."""
+    code = """if True:
+        import warnings
+        import torch, torch_sparse_mla as tsm
+        warnings.simplefilter("ignore")
+        p = torch.tensor([0, 5, 9, 3]); t = torch.tensor([0, 0, 1, 1], dtype=torch.int32)
+        bt = torch.tensor([[2, 0, 1], [4, 3, -1]], dtype=torch.int32); sm = torch.tensor([1, 2, -1, 7])
+        out = (torch.empty(4, 3, dtype=torch.int32), torch.empty(4, dtype=torch.int32))
+        for _ in range(2):
+            tsm.swa_indices(p, t, bt, sm, window=3, block_size=4)
+            tsm.swa_indices(p, t, bt, sm, window=3, block_size=4, out=out)
+        nested = torch.nested.nested_tensor([p, p])
+        for call in (lambda: tsm.swa_indices(nested, t, bt, sm, window=3, block_size=4),
+                     lambda: tsm.swa_indices(p, t, bt, sm, window=3, block_size=4,
+                                             out=(torch.nested.nested_tensor([out[0], out[0]]), out[1]))):
+            try:
+                call()
+            except (NotImplementedError, RuntimeError) as e:
+                print(type(e).__name__)
+    """
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["NotImplementedError", "NotImplementedError"], done.stdout
+
+
+@pytest.mark.parametrize("case", ["int_past_int64", "negative_bit_output", "zero_tensor_input"])
+def test_what_the_dispatcher_converts_or_refuses_takes_it(dispatched, case):
+    """An int outside int64 (the dispatcher refuses it), an output with the negative bit set and a zero
+    tensor (the dispatcher's fallbacks handle both): the direct path hands the call over, also after a
+    plain call of the same shapes was accepted, and the outcome is the dispatcher's."""
+    positions, token_to_req, block_table, slot_mapping = swa_inputs()
+    q, cache, indices = mla_inputs()
+    if case == "int_past_int64":
+        good = lambda: tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, window=4, block_size=2)
+        direct = lambda: tsm.swa_indices(positions, token_to_req, block_table, slot_mapping, window=2**63,
+                                         block_size=2)
+        via_ops = lambda: torch.ops.sparse_mla.swa_indices.default(positions, token_to_req, block_table,
+                                                                   slot_mapping, 2**63, 2)
+        name = "swa_indices"
+    elif case == "negative_bit_output":
+        def negated():
+            return torch.complex(torch.zeros(2, 3), torch.zeros(2, 3)).conj().imag
+        o = torch.empty(2, 3, 32, dtype=torch.float16)
+        good = lambda: tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.25, head_dim_v=32,
+                                             out=(o, torch.empty(2, 3)))
+        direct = lambda: tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.25, head_dim_v=32,
+                                               out=(o, negated()))
+        via_ops = lambda: torch.ops.sparse_mla.sparse_mla_decode.out(q, cache, indices, 0.25, "auto", 32, out=o,
+                                                                     lse=negated())
+        name = "sparse_mla_decode.out"
+    else:
+        zero = torch._efficientzerotensor(*cache.shape, dtype=cache.dtype)
+        good = lambda: tsm.kv_cache_gather(torch.zeros_like(cache), torch.tensor([0, 5]))
+        direct = lambda: tsm.kv_cache_gather(zero, torch.tensor([0, 5]))
+        via_ops = lambda: torch.ops.sparse_mla.kv_cache_gather.default(zero, torch.tensor([0, 5]), "auto", None)
+        name = "kv_cache_gather"
+    good()
+    good()
+    assert dispatched == []
+    outcomes = []
+    for run in (direct, via_ops):
+        try:
+            outcomes.append(("ok", run()))
+        except Exception as e:  # noqa: BLE001 - the outcome compared is the error itself
+            outcomes.append((type(e), str(e)))
+    assert dispatched == [name]
+    (kind_a, a), (kind_b, b) = outcomes
+    assert kind_a == kind_b
+    if kind_a == "ok":
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    else:
+        assert a == b
 
 def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     positions, token_to_req, block_table, slot_mapping = swa_inputs()

@@ -223,8 +223,11 @@ class _Validated(dict):
     did not serve it is tried, and refreshed, on one call in 32 only, until it serves one again.
     """
 
-    def __init__(self):
+    def __init__(self, any_tensor: bool = False):
         super().__init__()
+        # whether calls may pass tensors of any kind (the public functions' direct path); the
+        # registered CPU and CUDA implementations only ever see dense CPU and CUDA tensors
+        self.any_tensor = any_tensor
         self._forget()
 
     def _forget(self):
@@ -257,8 +260,12 @@ class _Validated(dict):
                     n_args, tensors_of, others_of, classes, values, guard, value, _ = ring[i]
                     if n_args == len(args):
                         others = others_of(args)
-                        if (tuple(map(type, others)) == classes and others == values
-                                and guard(*tensors_of(args), *outputs)):
+                        if tuple(map(type, others)) == classes and others == values:
+                            tensors = (*tensors_of(args), *outputs)
+                            # PyTorch's guard ends the process on a strided nested tensor (it reads
+                            # its strides outside any error handling); the key below refuses one
+                            if (self.any_tensor and any(map(_is_nested, tensors))) or not guard(*tensors):
+                                continue
                             self.succ[last] = i
                             self.last = i
                             self.misses = 0
@@ -476,8 +483,8 @@ def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, func
 # functions therefore call the kernels themselves, through the same checks, when nothing the
 # dispatcher would do can matter: plain eager execution (not compiling, tracing, vmapping or
 # profiling; no dispatch or torch-function mode active), every tensor argument an exact strided,
-# unquantised ``torch.Tensor`` on CPU or CUDA that does not require a gradient, every other argument
-# of exactly its schema type. The fake runs first, as in the registered implementations, so results
+# unquantised ``torch.Tensor`` on CPU or CUDA that does not require a gradient (not nested, negated or
+# a zero tensor), every other argument of exactly its schema type (an int within int64). The fake runs first, as in the registered implementations, so results
 # and errors are identical. Whether a signature qualifies is decided once and cached with the fake's
 # verdict (the classes, devices, layouts and ``requires_grad`` of the tensors are part of that
 # signature); the modes are checked on every call, and so is a written tensor created under
@@ -494,6 +501,8 @@ _NOT_DIRECT = object()  # what a direct call returns when the dispatcher must ta
 _Tensor = torch.Tensor
 _dtype = torch.dtype
 _strided = torch.strided
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+_is_nested = operator.attrgetter("is_nested")
 _dispatch_modes = torch._C._len_torch_dispatch_stack
 _function_mode = torch._C._is_torch_function_mode_enabled
 _transforms = torch._C._functorch.peek_interpreter_stack
@@ -515,14 +524,15 @@ def _argument_kinds(overload: str) -> tuple:
 
 def _direct_key(args: tuple, outputs) -> tuple:
     """:func:`_metadata_key` plus what decides whether a call may skip the dispatcher: the class of
-    every argument, ``requires_grad`` and the layout of every tensor, and its device itself (this path
-    sees tensors of every device type and layout, and ``get_device()`` is -1 for a CPU and a ``meta``
-    tensor alike). Raises ``TypeError`` for an unhashable argument (``RuntimeError`` for a tensor
-    without strides)."""
-    key = [(a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.layout)
-           if isinstance(a, _Tensor) else (a.__class__, a) for a in args]
+    every argument; ``requires_grad``, the layout, the negative bit and zero-tensor flag of every tensor,
+    and its device itself (this path sees tensors of every device type and kind, and ``get_device()``
+    is -1 for a CPU and a ``meta`` tensor alike). Raises ``TypeError`` for an unhashable argument
+    (``RuntimeError`` for a tensor without strides)."""
+    key = [(a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.layout, a.is_neg(),
+            a._is_zerotensor()) if isinstance(a, _Tensor) else (a.__class__, a) for a in args]
     for a in outputs:
-        key.append((a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.layout))
+        key.append((a.__class__, a.shape, a.stride(), a.dtype, a.device, a.requires_grad, a.layout, a.is_neg(),
+                    a._is_zerotensor()))
     return tuple(key)
 
 
@@ -540,10 +550,13 @@ def _qualifies(kinds: tuple, args: tuple, outputs: dict) -> bool | None:
             return None
         if cls is not kind and not (value is None and (kind is None or kind is _dtype)):
             return None
+        if cls is int and not _INT64_MIN <= value <= _INT64_MAX:
+            return None  # the dispatcher's own error for an int it cannot pass as int64
     on_cuda = False
     for t in tensors:
-        if t.__class__ is not _Tensor or t.requires_grad or t.layout is not _strided or t.is_quantized:
-            return None  # the dispatcher's own error for a sparse, mkldnn or quantized tensor
+        if (t.__class__ is not _Tensor or t.requires_grad or t.layout is not _strided or t.is_quantized
+                or t.is_neg() or t._is_zerotensor()):
+            return None  # the dispatcher's own handling of a sparse, mkldnn, quantised, negated or zero tensor
         if t.is_cuda:
             on_cuda = True
         elif not t.is_cpu:
@@ -630,7 +643,7 @@ def _writes_inference(args: tuple, outputs: dict, written_args: tuple) -> bool:
 def _out_direct(name: str, fake_out, cpu, cuda):
     """Direct call of an ``out`` overload (or of a writing operator's only overload). The public
     functions pass the outputs in schema order, so the signature need not name them."""
-    seen = _Validated()  # signature -> (kernel, overlap layout, recorded launches or None), or _NOT_DIRECT
+    seen = _Validated(any_tensor=True)  # signature -> (kernel, overlap layout, launches or None), or _NOT_DIRECT
     positional, written_names = _written_args(name)
     kinds = _argument_kinds(name)
     written_args = tuple(i for i, n in enumerate(positional) if n in written_names)  # kv_cache of the writers
@@ -656,7 +669,7 @@ def _out_direct(name: str, fake_out, cpu, cuda):
 
 def _functional_direct(name: str, fake, cpu, cuda):
     """Direct call of a functional overload: the fake's output specs are cached with the signature."""
-    seen = _Validated()  # signature -> (kernel, (specs, device, launches)), or _NOT_DIRECT
+    seen = _Validated(any_tensor=True)  # signature -> (kernel, (specs, device, launches)), or _NOT_DIRECT
     kinds = _argument_kinds(name)
     names = SCHEMAS[name][2]
 
