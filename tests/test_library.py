@@ -298,6 +298,14 @@ def test_recent_signatures(dispatched):
     o_one, _ = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=1.0, head_dim_v=32)
     assert len(dispatched) == 3
     torch.testing.assert_close(o_int, o_one, rtol=0, atol=0)
+    # an optional tensor given, then None where the recognised signature has it: another signature
+    sink = torch.zeros(3)
+    for _ in range(2):
+        for s in (sink, None, sink):
+            o, lse = tsm.sparse_mla_decode(q, cache, indices, softmax_scale=0.5, head_dim_v=32, attn_sink=s)
+            o2, lse2 = torch.ops.sparse_mla.sparse_mla_decode(q, cache, indices, 0.5, "auto", 32, None, s)
+            torch.testing.assert_close((o, lse), (o2, lse2), rtol=0, atol=0)
+    assert len(dispatched) == 3
     assert not torch.equal(o_half, o_one)
 
 

@@ -264,7 +264,13 @@ class _Validated(dict):
                             tensors = (*tensors_of(args), *outputs)
                             # PyTorch's guard ends the process on a strided nested tensor (it reads
                             # its strides outside any error handling); the key below refuses one
-                            if (self.any_tensor and any(map(_is_nested, tensors))) or not guard(*tensors):
+                            if self.any_tensor:
+                                try:
+                                    if any(map(_is_nested, tensors)):
+                                        continue
+                                except AttributeError:  # None where the signature has a tensor
+                                    continue
+                            if not guard(*tensors):
                                 continue
                             self.succ[last] = i
                             self.last = i
