@@ -156,6 +156,17 @@ def sparse_mla_decode_torch(q, kv_cache, indices, softmax_scale, kv_format="auto
 
 
 @triton.jit
+def _to_mma(x, dtype: tl.constexpr, KV_FORMAT: tl.constexpr):
+    """Dequantised float32 cache values in the MMA dtype. For float16 those of an fp8 format are
+    clamped to its finite range first (e4m3 * 2**e and bf16 values can exceed 65504): an infinite K
+    would saturate the scores and an infinite V times a zero probability gives NaN
+    (docs/sparse_mla.md, "Accuracy"). An ``auto`` cache holds values of the query's dtype already."""
+    if dtype == tl.float16 and KV_FORMAT != 0:
+        x = tl.minimum(tl.maximum(x, -65504.0), 65504.0)
+    return x.to(dtype)
+
+
+@triton.jit
 def _qk_piece(
     q,  # [BLOCK_H, PV] query piece (MMA dtype)
     scale,  # FOLD: [BLOCK_N] float32 scale of this piece's scale group (unused otherwise)
@@ -176,10 +187,10 @@ def _qk_piece(
         k = raw.to(q.dtype)
         s = tl.dot(q, tl.trans(k)) * scale[None, :]
         if not V_RAW:
-            k = (raw * scale[:, None]).to(q.dtype)
+            k = _to_mma(raw * scale[:, None], q.dtype, KV_FORMAT)
     else:
-        k = load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slots, valid, COL0, PV, DV,
-                         KV_FORMAT).to(q.dtype)
+        k = _to_mma(load_kv_cols(cache_ptr, stride_page, stride_row, page_size, slots, valid, COL0, PV, DV,
+                                 KV_FORMAT), q.dtype, KV_FORMAT)
         s = tl.dot(q, tl.trans(k))
     return s, k
 
@@ -263,7 +274,8 @@ def _attend(
                            V_RAW)
         s = s + s1 + s2 + s3  # K pieces: dequantised in registers; rows not valid are 0, never read
         if HAS_TAIL:
-            kt = load_kv_cols(c_ptr, c_sp, c_sr, c_ps, slots, valid, DV, PT, D, KV_FORMAT).to(q0.dtype)
+            kt = _to_mma(load_kv_cols(c_ptr, c_sp, c_sr, c_ps, slots, valid, DV, PT, D, KV_FORMAT), q0.dtype,
+                         KV_FORMAT)
             s = tl.dot(qt, tl.trans(kt), s)
         u = _oriented_scores(s, valid, score_sign)
         m_new = tl.maximum(m_i, tl.max(u, 1))

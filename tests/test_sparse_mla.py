@@ -514,6 +514,43 @@ def test_triton_interpreter_fp8_584_large_tile_scales():
     _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=True)
 
 
+def _past_fp16_case(kv_format: str):
+    """A float16 query over a cache whose slot 0 holds finite values past float16's range (1e5) in its
+    last 64 value dims (and, for fp8_656, its bf16 rope dims), which the query weighs at -0.5 so that
+    the slot's probability is 0 for every head: the output is slot 1's V row. Returns the inputs and
+    the reference."""
+    gen = torch.Generator().manual_seed(5)
+    dim = 512 if kv_format == "fp8_584" else 576
+    cache = fr.make_cache(1, 2, kv_format)
+    values = torch.randn(2, dim, generator=gen) * 0.5
+    values[0, 448:] = 1e5
+    fr.fill_cache(cache, [0, 1], values, kv_format)
+    q = torch.randn(2, 3, dim, generator=gen) * 0.01
+    q[..., 448:] = -0.5
+    kwargs = dict(q=q.half(), kv_cache=cache, indices=torch.tensor([[0, 1], [1, 0]], dtype=torch.int32),
+                  softmax_scale=0.04, kv_format=kv_format, head_dim_v=512)
+    ref_out, ref_lse = reference(**kwargs)
+    assert ref_out.abs().max() < 4 and ref_lse.isfinite().all()
+    return kwargs, ref_out, ref_lse
+
+
+@pytest.mark.parametrize("kv_format", ["fp8_584", "fp8_656"])
+def test_fp16_query_values_past_fp16_range(kv_format):
+    """The CPU kernel computes in float32: cache values past float16's range are no problem."""
+    kwargs, ref_out, ref_lse = _past_fp16_case(kv_format)
+    assert_matches(*torch_sparse_mla.sparse_mla_decode(**kwargs), ref_out, ref_lse, tensor_cores=False)
+
+
+@requires_interpreter
+@pytest.mark.parametrize("kv_format", ["fp8_584", "fp8_656"])
+def test_triton_interpreter_fp16_query_values_past_fp16_range(kv_format):
+    """The portable kernel clamps dequantised values to float16's range before its float16 products:
+    an infinite V times the slot's zero probability gave NaN in every output row."""
+    kwargs, ref_out, ref_lse = _past_fp16_case(kv_format)
+    out, lse = _outputs_like(kwargs)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse)
+    assert_matches(out, lse, ref_out, ref_lse, tensor_cores=True)
+
 @requires_interpreter
 def test_triton_interpreter_small_tiles_large_dims():
     """The tiles the launcher picks for large head dims (16 heads x 16 keys per program, four head
@@ -925,6 +962,15 @@ def test_cuda_fp8_584_large_tile_scales():
         mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits)
         _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=True)
 
+
+@requires_cuda
+@pytest.mark.parametrize("kv_format", ["fp8_584", "fp8_656"])
+def test_cuda_fp16_query_values_past_fp16_range(kv_format):
+    """:func:`_past_fp16_case` on the GPU (a float16 query: the portable kernel, also on sm_90)."""
+    kwargs, ref_out, ref_lse = _past_fp16_case(kv_format)
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(_to_device(kwargs, "cuda")), out=out, lse=lse)
+    assert_matches(out, lse, ref_out, ref_lse, tensor_cores=True)
 
 @requires_cuda
 def test_cuda_functional_matches_out():
