@@ -85,6 +85,17 @@ def memory_extent(t: torch.Tensor) -> int:
     return (last + 1) * t.element_size()
 
 
+def check_no_self_overlap(name: str, t: torch.Tensor) -> None:
+    """A written tensor whose elements are all distinct in memory (sufficient test: with the dimensions
+    sorted by stride, each stride exceeds the largest offset reachable through the smaller ones)."""
+    dims = sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1)
+    reach = 0
+    for stride, size in dims:
+        expect(stride > reach, lambda: f"{name}: expected a tensor whose elements do not overlap in memory (it is "
+                                       f"written), got shape {tuple(t.shape)} and strides {tuple(t.stride())}")
+        reach = reach + stride * (size - 1)
+
+
 def check_no_overlap(names, starts, extents, written) -> None:
     """``ValueError`` when a written tensor overlaps the memory of another tensor argument of the call.
 

@@ -26,6 +26,7 @@ from ._common import (
     INDEX_DTYPES,
     INT32_MAX,
     SLOT_DTYPES,
+    check_no_self_overlap,
     check_positive,
     check_size,
     check_tensor,
@@ -85,17 +86,6 @@ def check_scale_tensor(name: str, t, device) -> None:
     expect(t.numel() == 1, lambda: f"{name}: expected a tensor of one element, got shape {tuple(t.shape)}")
 
 
-def _check_no_self_overlap(name: str, t: torch.Tensor) -> None:
-    """A written tensor whose elements are all distinct in memory (sufficient test: with the dimensions
-    sorted by stride, each stride exceeds the largest offset reachable through the smaller ones)."""
-    dims = sorted((t.stride(i), t.shape[i]) for i in range(t.dim()) if t.shape[i] > 1)
-    reach = 0
-    for stride, size in dims:
-        expect(stride > reach, lambda: f"{name}: expected a tensor whose elements do not overlap in memory (it is "
-                                       f"written), got shape {tuple(t.shape)} and strides {tuple(t.stride())}")
-        reach = reach + stride * (size - 1)
-
-
 def check_cache(name: str, kv_cache, device, *, written: bool = False):
     """Layout checks of a sparse GQA cache; returns ``(num_kv_heads, head_dim)``."""
     check_tensor(name, kv_cache, dtypes=CACHE_DTYPES, ndim=4, device=device)
@@ -107,7 +97,7 @@ def check_cache(name: str, kv_cache, device, *, written: bool = False):
                                    f"got shape {tuple(kv_cache.shape)}")
         check_unit_stride(name, kv_cache)
         if written:
-            _check_no_self_overlap(name, kv_cache)
+            check_no_self_overlap(name, kv_cache)
         return slots, width // 2
     expect(width == NVFP4_TOKEN_BYTES,
            lambda: f"{name}: expected shape[3] == {NVFP4_TOKEN_BYTES} for an NVFP4 (uint8) cache (64 data bytes and 8 "

@@ -19,6 +19,7 @@ from torch_sparse_mla.ops import _launch
 from torch_sparse_mla.ops._triton import release
 
 from common import requires_cuda, requires_interpreter, signature_cache
+from test_multi_gpu import operator_cases
 
 
 @pytest.fixture
@@ -231,6 +232,29 @@ def test_what_the_dispatcher_converts_or_refuses_takes_it(dispatched, case):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     else:
         assert a == b
+
+_OUT_CASES = [c for c in operator_cases() if c.endswith(".out")]
+
+
+@pytest.mark.parametrize("case", _OUT_CASES, ids=str)
+@pytest.mark.parametrize("path", ["direct", "dispatcher"])
+def test_an_output_that_overlaps_itself_is_refused(case, path):
+    """Each output of each ``.out`` overload, replaced by one row expanded over its rows (stride 0):
+    ``ValueError`` naming it on both paths (the CPU kernels raised PyTorch's own error, the Triton
+    kernels wrote it, last write winning)."""
+    overload, args, outputs = operator_cases()[case]
+    checked = 0
+    for name, t in outputs.items():
+        if t.shape[0] < 2:
+            continue
+        moved = {**outputs, name: t[:1].expand_as(t)}
+        with pytest.raises(ValueError, match=rf"{name}: expected a tensor whose elements do not overlap"):
+            if path == "direct":
+                _library.call(case, *args, **moved)
+            else:
+                overload(*args, **moved)
+        checked += 1
+    assert checked >= 1
 
 def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     positions, token_to_req, block_table, slot_mapping = swa_inputs()

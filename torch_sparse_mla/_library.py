@@ -30,7 +30,7 @@ import threading
 import torch
 
 try:
-    from .meta_kernels._common import check_no_overlap, memory_extent
+    from .meta_kernels._common import check_no_overlap, check_no_self_overlap, memory_extent
     from .meta_kernels import kv_cache as kv_cache_meta
     from .meta_kernels import metadata as metadata_meta
     from .meta_kernels import sparse_gqa as sparse_gqa_meta
@@ -417,8 +417,13 @@ def _check_overlap(layout, pool: tuple) -> None:
 
 def _out_first(fake_out, kernel, on_cuda: bool, positional, written_names, args: tuple, outputs: dict) -> tuple:
     """First call of an ``out`` overload's signature: the fake's checks, the overlap check, the kernel
-    (its launches recorded on CUDA). Returns what later calls reuse: ``(overlap layout, launches)``."""
+    (its launches recorded on CUDA). Returns what later calls reuse: ``(overlap layout, launches)``.
+    An output must not overlap itself either (an expanded buffer, say): a metadata property, so checked
+    here once per signature, not in the fakes (whose symbolic sizes it would specialise). The caches the
+    writers write have their own layout checks in the fakes."""
     fake_out(*args, **outputs)
+    for name, t in outputs.items():
+        check_no_self_overlap(name, t)
     layout = _overlap_layout(positional, written_names, args, outputs)
     _check_overlap(layout, (*args, *outputs.values()))
     if on_cuda:
