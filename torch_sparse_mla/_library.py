@@ -491,17 +491,17 @@ def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, func
 #
 # The PyTorch dispatcher's call into a Python kernel (argument parsing against the schema, boxing,
 # unboxing) costs several microseconds per call, as much as the library's own checks. The public
-# functions therefore call the kernels themselves, through the same checks, when nothing the
-# dispatcher would do can matter: plain eager execution (not compiling, tracing, vmapping or
-# profiling; no dispatch or torch-function mode active), every tensor argument an exact strided,
-# unquantised ``torch.Tensor`` on CPU or CUDA that does not require a gradient (not nested, negated or
-# a zero tensor), every other argument of exactly its schema type (an int within int64). The fake runs first, as in the registered implementations, so results
-# and errors are identical. Whether a signature qualifies is decided once and cached with the fake's
-# verdict (the classes, devices, layouts and ``requires_grad`` of the tensors are part of that
-# signature); the modes are checked on every call, and so is a written tensor created under
-# ``torch.inference_mode()`` (outside that mode the dispatcher refuses to write it, which a CUDA kernel
-# called directly would not). Anything else goes through ``torch.ops.sparse_mla``, which is also what
-# ``torch.ops.sparse_mla.*`` called directly, and compiled code, always use.
+# functions therefore call the kernels themselves, through the same checks, when nothing the dispatcher
+# would do can matter: plain eager execution (not compiling, tracing, vmapping or profiling; no dispatch
+# or torch-function mode active), every tensor argument an exact strided, unquantised ``torch.Tensor``
+# on CPU or CUDA that does not require a gradient (not nested, negated or a zero tensor), every other
+# argument of exactly its schema type (an int within int64). The fake runs first, as in the registered
+# implementations, so results and errors are identical. Whether a signature qualifies is decided once
+# and cached with the fake's verdict (the classes, devices, layouts and ``requires_grad`` of the tensors
+# are part of that signature); the modes are checked on every call, and so is a written tensor created
+# under ``torch.inference_mode()`` (outside that mode the dispatcher refuses to write it, which a CUDA
+# kernel called directly would not). Anything else goes through ``torch.ops.sparse_mla``, which is also
+# what ``torch.ops.sparse_mla.*`` called directly, and compiled code, always use.
 
 #: Set to False to send every call of the public functions through the dispatcher (the benchmark's
 #: host-overhead table measures both).
