@@ -256,6 +256,20 @@ def test_an_output_that_overlaps_itself_is_refused(case, path):
         checked += 1
     assert checked >= 1
 
+def test_an_output_that_is_no_tensor_gets_the_dispatcher_error(dispatched):
+    """``call`` below the public functions (which refuse such an ``out``) with an int for an output:
+    the dispatcher's own error, before and after the signature with a tensor there was accepted."""
+    args = swa_inputs()
+    out = (torch.empty(4, 4, dtype=torch.int32), torch.empty(4, dtype=torch.int32))
+    for known in (False, True):
+        if known:
+            _library.call("swa_indices.out", *args, 4, 2, indices=out[0], lens=out[1])
+        with pytest.raises(RuntimeError) as direct:
+            _library.call("swa_indices.out", *args, 4, 2, indices=out[0], lens=3)
+        with pytest.raises(RuntimeError) as dispatcher:
+            torch.ops.sparse_mla.swa_indices.out(*args, 4, 2, indices=out[0], lens=3)
+        assert str(direct.value) == str(dispatcher.value)
+
 def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     positions, token_to_req, block_table, slot_mapping = swa_inputs()
     bad = block_table.to(torch.int64)

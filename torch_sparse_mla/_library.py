@@ -630,11 +630,12 @@ def _replay(record, pool: tuple) -> bool:
 
 
 def _lookup(seen: "_Validated", args: tuple, outputs) -> tuple:
-    """``(signature, its cached entry or None)``; ``(None, _NOT_DIRECT)`` for an unhashable argument
-    or a tensor without strides (sparse CSR), which only the dispatcher can reject properly."""
+    """``(signature, its cached entry or None)``; ``(None, _NOT_DIRECT)`` for an unhashable argument,
+    a tensor without strides (sparse CSR) or an output that is no tensor, which only the dispatcher can
+    reject properly."""
     try:
         return seen.find(args, outputs, _direct_key)
-    except (TypeError, RuntimeError):
+    except (TypeError, RuntimeError, AttributeError):
         return None, _NOT_DIRECT
 
 
