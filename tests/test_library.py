@@ -4,6 +4,7 @@ launch path (``ops/_launch.py``)."""
 
 from __future__ import annotations
 
+import functools
 import os
 import subprocess
 import sys
@@ -269,6 +270,105 @@ def test_an_output_that_is_no_tensor_gets_the_dispatcher_error(dispatched):
         with pytest.raises(RuntimeError) as dispatcher:
             torch.ops.sparse_mla.swa_indices.out(*args, 4, 2, indices=out[0], lens=3)
         assert str(direct.value) == str(dispatcher.value)
+
+def _fresh(value):
+    """``value``, or a tensor's copy with storage of its own: same storage offset, sizes, strides and
+    bytes (padding included), so both paths of a comparison read and write identical memory."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    copy = torch.empty(0, dtype=value.dtype, device=value.device)
+    return copy.set_(value.untyped_storage().clone(), value.storage_offset(), value.shape, value.stride())
+
+
+def _inference_copy(t):
+    with torch.inference_mode():
+        return t.clone()
+
+
+_OTHER_DTYPE = {torch.bfloat16: torch.float32, torch.float16: torch.float32, torch.float32: torch.float64,
+                torch.int32: torch.int64, torch.int64: torch.int32, torch.uint8: torch.int8}
+# name -> the mutated argument, or None where the mutation does not apply
+_TENSOR_MUTATIONS = {
+    "other_dtype": lambda t: t.to(_OTHER_DTYPE[t.dtype]),
+    "extra_dim": lambda t: t.unsqueeze(0),
+    "one_row_fewer": lambda t: t[:-1] if t.shape[0] > 1 else None,
+    "expanded": lambda t: t[:1].expand_as(t) if t.shape[0] > 1 else None,
+    "column_major": lambda t: t.t().contiguous().t() if t.dim() == 2 else None,
+    "meta": lambda t: t.to("meta"),
+    "requires_grad": lambda t: t.detach().clone().requires_grad_() if t.is_floating_point() else None,
+    "parameter": lambda t: torch.nn.Parameter(t, requires_grad=False),
+    "inference": _inference_copy,
+    "sparse": lambda t: t.to_sparse(),
+}
+_SCALAR_MUTATIONS = {
+    "bool_for_int": lambda v: True if v.__class__ is int else None,
+    "past_int64": lambda v: 2**63 if v.__class__ is int else None,
+    "float_for_int": lambda v: float(v) if v.__class__ is int else None,
+    "int_for_float": lambda v: int(v) if v.__class__ is float else None,
+    "nan": lambda v: float("nan") if v.__class__ is float else None,
+}
+
+
+def _outcome(run, args, outputs):
+    """What a call did: its error, or every tensor it returned or was given (written ones included)."""
+    try:
+        result = run(*args, **outputs)
+    except Exception as e:  # noqa: BLE001 - the outcome compared is the error itself
+        return "error", type(e).__name__, str(e)
+    returned = result if isinstance(result, tuple) else () if result is None else (result,)
+    return "ok", [*returned, *(a for a in args if isinstance(a, torch.Tensor)), *outputs.values()]
+
+
+def _same_outcome(a, b) -> bool:
+    if a[0] == "error" or b[0] == "error":
+        return a == b
+    if len(a[1]) != len(b[1]):
+        return False
+    for x, y in zip(a[1], b[1]):
+        if (x.dtype, x.shape, x.device, x.layout) != (y.dtype, y.shape, y.device, y.layout):
+            return False
+        if x.layout == torch.strided and x.device.type != "meta" and not torch.equal(x.nan_to_num(7.5), y.nan_to_num(7.5)):
+            return False
+    return True
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("case", list(operator_cases()), ids=str)
+def test_direct_path_matches_the_dispatcher_on_mutated_calls(case):
+    """Every argument and output of every overload, mutated one at a time (another dtype or rank, a row
+    fewer, expanded, column-major, on ``meta``, requiring a gradient, a ``Parameter``, an inference
+    tensor, sparse; for scalars another class, an int past int64, NaN): the call below the public
+    functions gives what the dispatcher gives (the same error, or bitwise the same outputs and written
+    tensors), both as the first call of its signature and after the unmutated call was accepted."""
+    overload, base_args, base_outputs = operator_cases()[case]
+    seen = signature_cache(_library._DIRECT[case])
+    direct = functools.partial(_library.call, case)
+    names = [a.name for a in overload._schema.arguments if not a.kwarg_only]
+    targets = [(names[i], i) for i in range(len(base_args))] + [(n, n) for n in base_outputs]
+    compared = 0
+    for name, where in targets:
+        value = base_args[where] if isinstance(where, int) else base_outputs[where]
+        mutations = _TENSOR_MUTATIONS if isinstance(value, torch.Tensor) else _SCALAR_MUTATIONS
+        for label, mutate in mutations.items():
+            def build():
+                args, outputs = [_fresh(a) for a in base_args], {n: _fresh(t) for n, t in base_outputs.items()}
+                if isinstance(where, int):
+                    args[where] = mutate(args[where])
+                    return (None if args[where] is None else tuple(args)), outputs
+                outputs[where] = mutate(outputs[where])
+                return (None if outputs[where] is None else tuple(args)), outputs
+            if value is None or build()[0] is None:
+                continue
+            want = _outcome(overload, *build())
+            seen.clear()
+            seen._forget()
+            cold = _outcome(direct, *build())
+            direct(*(_fresh(a) for a in base_args), **{n: _fresh(t) for n, t in base_outputs.items()})
+            warm = _outcome(direct, *build())
+            assert _same_outcome(cold, want), (name, label, "first call", cold[:3], want[:3])
+            assert _same_outcome(warm, want), (name, label, "after the unmutated call", warm[:3], want[:3])
+            compared += 1
+    assert compared >= 10
 
 def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     positions, token_to_req, block_table, slot_mapping = swa_inputs()
