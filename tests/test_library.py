@@ -345,6 +345,8 @@ def test_direct_path_matches_the_dispatcher_on_mutated_calls(case):
     direct = functools.partial(_library.call, case)
     names = [a.name for a in overload._schema.arguments if not a.kwarg_only]
     targets = [(names[i], i) for i in range(len(base_args))] + [(n, n) for n in base_outputs]
+    writes_cache = any(a.alias_info is not None and a.alias_info.is_write for a in overload._schema.arguments
+                       if not a.kwarg_only)
     compared = 0
     for name, where in targets:
         value = base_args[where] if isinstance(where, int) else base_outputs[where]
@@ -359,6 +361,8 @@ def test_direct_path_matches_the_dispatcher_on_mutated_calls(case):
                 return (None if outputs[where] is None else tuple(args)), outputs
             if value is None or build()[0] is None:
                 continue
+            if writes_cache and name == "slot_mapping" and label == "expanded":
+                continue  # every token to one slot: which one wins is unspecified (kv_cache.md)
             want = _outcome(overload, *build())
             seen.clear()
             seen._forget()
