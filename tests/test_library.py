@@ -106,6 +106,7 @@ def test_a_known_signature_on_another_device_is_checked_again(functional):
         indices, lens = tsm.swa_indices(*meta, **kwargs)
         assert indices.device.type == lens.device.type == "meta" and indices.shape == (4, 4)
 
+
 def test_inference_tensors_written_outside_inference_mode_take_the_dispatcher(dispatched):
     """A cache or ``out`` buffer created under ``torch.inference_mode()`` and written outside it: the
     call goes through the dispatcher, which refuses it (a CUDA kernel called directly would write it);
@@ -133,6 +134,7 @@ def test_inference_tensors_written_outside_inference_mode_take_the_dispatcher(di
     assert dispatched == ["kv_cache_insert", "swa_indices.out"]
     assert torch.equal(cache, normal)
 
+
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated")
 @pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr", "quantized", "mkldnn"])
@@ -156,6 +158,7 @@ def test_tensors_of_other_layouts_take_the_dispatcher(dispatched, layout):
     with pytest.raises(NotImplementedError) as dispatcher:
         torch.ops.sparse_mla.swa_indices(positions, token_to_req, odd, slot_mapping, 4, 2)
     assert str(direct.value) == str(dispatcher.value)
+
 
 def test_a_nested_tensor_after_a_known_signature_is_refused():
     """A strided nested tensor where a known signature has a dense one: the call goes to the dispatcher
@@ -257,6 +260,7 @@ def test_an_output_that_overlaps_itself_is_refused(case, path):
         checked += 1
     assert checked >= 1
 
+
 def test_an_output_that_is_no_tensor_gets_the_dispatcher_error(dispatched):
     """``call`` below the public functions (which refuse such an ``out``) with an int for an output:
     the dispatcher's own error, before and after the signature with a tensor there was accepted."""
@@ -270,6 +274,7 @@ def test_an_output_that_is_no_tensor_gets_the_dispatcher_error(dispatched):
         with pytest.raises(RuntimeError) as dispatcher:
             torch.ops.sparse_mla.swa_indices.out(*args, 4, 2, indices=out[0], lens=3)
         assert str(direct.value) == str(dispatcher.value)
+
 
 def _fresh(value):
     """``value``, or a tensor's copy with storage of its own: same storage offset, sizes, strides and
@@ -327,7 +332,8 @@ def _same_outcome(a, b) -> bool:
     for x, y in zip(a[1], b[1]):
         if (x.dtype, x.shape, x.device, x.layout) != (y.dtype, y.shape, y.device, y.layout):
             return False
-        if x.layout == torch.strided and x.device.type != "meta" and not torch.equal(x.nan_to_num(7.5), y.nan_to_num(7.5)):
+        values = x.layout == torch.strided and x.device.type != "meta"
+        if values and not torch.equal(x.nan_to_num(7.5), y.nan_to_num(7.5)):
             return False
     return True
 
@@ -338,8 +344,8 @@ def test_direct_path_matches_the_dispatcher_on_mutated_calls(case):
     """Every argument and output of every overload, mutated one at a time (another dtype or rank, a row
     fewer, expanded, column-major, on ``meta``, requiring a gradient, a ``Parameter``, an inference
     tensor, sparse; for scalars another class, an int past int64, NaN): the call below the public
-    functions gives what the dispatcher gives (the same error, or bitwise the same outputs and written
-    tensors), both as the first call of its signature and after the unmutated call was accepted."""
+    functions gives what the dispatcher gives (the same error, or equal outputs and written tensors, NaN
+    where NaN), both as the first call of its signature and after the unmutated call was accepted."""
     overload, base_args, base_outputs = operator_cases()[case]
     seen = signature_cache(_library._DIRECT[case])
     direct = functools.partial(_library.call, case)
@@ -373,6 +379,7 @@ def test_direct_path_matches_the_dispatcher_on_mutated_calls(case):
             assert _same_outcome(warm, want), (name, label, "after the unmutated call", warm[:3], want[:3])
             compared += 1
     assert compared >= 10
+
 
 def test_direct_calls_raise_the_dispatcher_path_errors(dispatched):
     positions, token_to_req, block_table, slot_mapping = swa_inputs()

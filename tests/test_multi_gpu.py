@@ -173,6 +173,7 @@ def test_mixed_devices_name_the_first_in_schema_order(case):
             overload(*moved_args, **moved_outputs)
         assert str(info.value).startswith(f"{name}: expected a tensor on "), (name, other, str(info.value))
 
+
 @_skip_cuda1_on_one_gpu
 @pytest.mark.parametrize("case", list(operator_cases()), ids=str)
 def test_one_device_accepted(case):

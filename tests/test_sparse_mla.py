@@ -551,6 +551,7 @@ def test_triton_interpreter_fp16_query_values_past_fp16_range(kv_format):
     mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse)
     assert_matches(out, lse, ref_out, ref_lse, tensor_cores=True)
 
+
 @requires_interpreter
 def test_triton_interpreter_small_tiles_large_dims():
     """The tiles the launcher picks for large head dims (16 heads x 16 keys per program, four head
@@ -971,6 +972,7 @@ def test_cuda_fp16_query_values_past_fp16_range(kv_format):
     out, lse = _outputs_like(kwargs, "cuda")
     mla_ops.sparse_mla_decode_triton(*_positional(_to_device(kwargs, "cuda")), out=out, lse=lse)
     assert_matches(out, lse, ref_out, ref_lse, tensor_cores=True)
+
 
 @requires_cuda
 def test_cuda_functional_matches_out():
