@@ -33,6 +33,13 @@ def examples(n: int):
                                            HealthCheck.filter_too_much])
 
 
+def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t``'s whole storage, viewed with ``t``'s shape, strides and offset (padding bytes
+    included, so two copies are byte for byte the same memory)."""
+    base = torch.empty(0, dtype=t.dtype, device=t.device)
+    return base.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
+
+
 def run_offline_compile(script: str, *args: str) -> subprocess.CompletedProcess:
     """Run ``scripts/<script>`` (an sm_90 compile that needs no GPU) outside the Triton interpreter,
     which the test session may have switched on."""

@@ -19,7 +19,7 @@ from torch_sparse_mla import _library
 from torch_sparse_mla.ops import _launch
 from torch_sparse_mla.ops._triton import release
 
-from common import requires_cuda, requires_interpreter, signature_cache
+from common import requires_cuda, requires_interpreter, same_layout_copy, signature_cache
 from test_multi_gpu import operator_cases
 
 
@@ -277,12 +277,9 @@ def test_an_output_that_is_no_tensor_gets_the_dispatcher_error(dispatched):
 
 
 def _fresh(value):
-    """``value``, or a tensor's copy with storage of its own: same storage offset, sizes, strides and
-    bytes (padding included), so both paths of a comparison read and write identical memory."""
-    if not isinstance(value, torch.Tensor):
-        return value
-    copy = torch.empty(0, dtype=value.dtype, device=value.device)
-    return copy.set_(value.untyped_storage().clone(), value.storage_offset(), value.shape, value.stride())
+    """``value``, or a tensor's :func:`same_layout_copy`: both paths of a comparison read and write
+    identical memory."""
+    return same_layout_copy(value) if isinstance(value, torch.Tensor) else value
 
 
 def _inference_copy(t):

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import formats_reference as ref
 import torch_sparse_mla as tsm
-from common import HAS_CUDA, INTERPRETER, examples
+from common import HAS_CUDA, INTERPRETER, examples, same_layout_copy
 from test_kv_cache import naive_gather, naive_insert, raw_bytes
 from test_metadata import (
     Batch,
@@ -249,12 +249,6 @@ def caches(draw):
     pad = draw(st.sampled_from([0, 1, 7]))
     cache = ref.make_cache(pages, page_size, kv_format, dim=FMT_DIM["auto"], dtype=cache_dtype, page_pad=pad)
     return kv_format, cache
-
-
-def same_layout_copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t``'s whole storage, viewed with ``t``'s shape, strides and offset."""
-    base = torch.empty(0, dtype=t.dtype, device=t.device)
-    return base.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
 
 
 def slot_values(capacity: int):
