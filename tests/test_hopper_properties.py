@@ -1,0 +1,155 @@
+"""Property tests of the two Hopper kernels over the whole domain each serves (an sm_90 GPU only).
+
+The Hopper tests of ``test_sparse_mla.py`` and ``test_sparse_gqa.py`` run each kernel on a fixed list
+of shapes. Here hypothesis draws every input the kernel's ``supported`` accepts and its launch plan may
+vary: head counts on both sides of each head-block size, list widths on both sides of a block of 64
+keys and of the per-split page table, page sizes smaller than a block and with a partial last block,
+padded page strides, both value-cache layouts, device scales, the extra cache, lengths, sinks, invalid
+indices, empty rows, split counts and the head-block forms. Inputs come from the same factories as the
+parity tests (every cache element no valid entry may read is poisoned) and each example is checked
+against the same float64 references.
+
+Example counts follow the profiles of ``common.examples`` (``gpu`` by default on a GPU: 30 examples per
+test, random); ``TSM_HYPOTHESIS_PROFILE=thorough`` runs 300. With ``-s`` each example prints one line,
+which counts the examples a time-limited run got through.
+"""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from common import examples, requires_hopper
+from test_sparse_gqa import FP8, NVFP4, Cfg, _out_buffer, assert_matches_reference
+from test_sparse_gqa import make_inputs as gqa_inputs
+from test_sparse_mla import _HEAD_FORMS, Spec, _outputs_like, _positional, _to_device, assert_matches
+from test_sparse_mla import make_inputs as mla_inputs
+from test_sparse_mla import reference as mla_reference
+from torch_sparse_mla.ops import sparse_gqa as gqa_ops
+from torch_sparse_mla.ops import sparse_mla as mla_ops
+
+BF16, F16 = torch.bfloat16, torch.float16
+
+# Bounds on the size of one example (the float64 references loop in Python, and the NVFP4 factory
+# poisons unread keys one at a time).
+_GQA_MAX_KEYS = 60_000  # cache keys: pages x KV heads x page size
+_GQA_MAX_SELECTED = 12_000  # keys of one (row, KV head)'s selected pages
+
+
+@st.composite
+def gqa_cases(draw):
+    """``(cfg, seed, num_splits, transposed_out)`` of a call the Hopper sparse-GQA kernel serves."""
+    nvfp4 = draw(st.booleans())
+    # NVFP4 pages hold a multiple of 4 keys (V scales in token quads); float8 pages any number
+    page_size = draw(st.sampled_from([4, 16, 64, 100, 128, 200] if nvfp4 else [1, 13, 16, 64, 96, 128, 200]))
+    group = draw(st.sampled_from([1, 2, 5, 8, 16, 17, 24, 33, 48]))
+    hkv = draw(st.integers(1, max(1, min(4, 128 // group))))
+    batch = draw(st.sampled_from([1, 2, 3, 4, 0]))
+    # the edges: no page, one block, the 64 pages a CTA's page table holds (more take two splits)
+    n_sel = min(draw(st.sampled_from([0, 1, 2, 3, 5, 16, 33, 63, 64, 65, 72])), _GQA_MAX_SELECTED // page_size)
+
+    def keys():  # the factory's cache: pages x KV heads x page size
+        return (batch * (n_sel + 3) + 3) * hkv * page_size
+
+    while keys() > _GQA_MAX_KEYS and batch > 1:
+        batch -= 1
+    while keys() > _GQA_MAX_KEYS:
+        n_sel //= 2
+    cfg = Cfg(hq=hkv * group, hkv=hkv, dh=128, page_size=page_size, dql=draw(st.integers(1, 4)),
+              q_dtype=draw(st.sampled_from([BF16, F16])), kv_dtype=NVFP4 if nvfp4 else FP8,
+              layout="HND" if nvfp4 else draw(st.sampled_from(["HND", "NHD"])),
+              # the Hopper kernel needs page strides in multiples of 16 bytes and a 16-byte aligned base
+              page_pad=draw(st.sampled_from([0, 16, 48])), batch=batch, n_sel=n_sel,
+              extra_rows=draw(st.integers(0, 2)), scale_tensors=draw(st.booleans()),
+              offset=16 if nvfp4 else draw(st.sampled_from([0, 16])))
+    return cfg, draw(st.integers(0, 2**16)), draw(st.sampled_from([None, 1, 2, 3, 40])), draw(st.booleans())
+
+
+@requires_hopper
+@examples(3)
+@given(case=gqa_cases())
+def test_sparse_gqa_hopper_domain(case):
+    cfg, seed, num_splits, transposed = case
+    print(f"gqa example: {cfg.id} n_sel={cfg.n_sel} batch={cfg.batch} seed={seed} splits={num_splits}")
+    args, _ = gqa_inputs(cfg, seed=seed, device="cuda")
+    assert gqa_ops.kernel_path(args["q"], args["kv_cache"]) == "hopper", cfg.id
+    out = _out_buffer(args, transpose=transposed)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="hopper")
+    assert_matches_reference(out, args)
+
+
+@st.composite
+def mla_cases(draw):
+    """``(spec, seed, num_splits, form)`` of a call the Hopper sparse-MLA kernel serves."""
+    kv_format = draw(st.sampled_from(["fp8_656", "fp8_584", "auto"]))
+    k2 = draw(st.sampled_from([0, 0, 1, 40, 130]))
+    spec = Spec(
+        kv_format=kv_format, T=draw(st.sampled_from([1, 2, 3, 5, 0])),
+        H=draw(st.sampled_from([1, 3, 16, 17, 20, 32, 33, 48, 64, 100, 128])),
+        K=draw(st.sampled_from([1, 2, 7, 64, 65, 200, 600])), K2=k2,
+        dim=draw(st.sampled_from([576, 512])) if kv_format == "auto" else None,
+        lengths=draw(st.booleans()), sink=draw(st.sampled_from([None, "finite", "inf"])),
+        bad_indices=draw(st.booleans()), empty_row=draw(st.booleans()), noncontig_q=draw(st.booleans()),
+        scale=draw(st.sampled_from([0.06, 0.3, -0.2, 0.0])),
+        # the extra cache's pages hold half as many slots: an fp8_584 page of an odd number of 584-byte
+        # slots is not 16-byte aligned, which the Hopper kernel needs
+        page_size=draw(st.sampled_from([4, 16, 64, 100])),
+        page_pad=draw(st.sampled_from([0, 16, 64])), extra_page_pad=draw(st.sampled_from([0, 16, 48])),
+        pool=draw(st.sampled_from([96, 400])))
+    form = draw(st.sampled_from([None, "few16", "few32", "rows64"]))
+    return spec, draw(st.integers(0, 2**16)), draw(st.sampled_from([None, 1, 2, 3, 8])), form
+
+
+@requires_hopper
+@examples(3)
+@given(case=mla_cases())
+def test_sparse_mla_hopper_domain(case):
+    spec, seed, num_splits, form = case
+    print(f"mla example: {spec} page_size={spec.page_size} pool={spec.pool} seed={seed} splits={num_splits} "
+          f"form={form}")
+    kwargs = mla_inputs(spec, seed=seed)
+    dev = _to_device(kwargs, "cuda")
+    assert mla_ops.kernel_path(dev["q"], dev["kv_cache"], spec.kv_format, spec.head_dim_v,
+                               dev.get("extra_kv_cache")) == "hopper", str(spec)
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper",
+                                     config=None if form is None else _HEAD_FORMS[form])
+    assert_matches(out, lse, *mla_reference(**kwargs), tensor_cores=True)
+
+
+def test_cases_stay_within_the_hopper_domain():
+    """Without a GPU: every drawn case is one the kernels' ``supported`` would accept on an sm_90 device
+    (the checks that do not need one: dtypes, dims, the caches' 16-byte strides and base), within the
+    size bounds above."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper
+
+    @examples(20)
+    @given(case=gqa_cases())
+    def check_gqa(case):
+        cfg = case[0]
+        args, _ = gqa_inputs(cfg, seed=case[1])
+        q, cache = args["q"], args["kv_cache"]
+        assert q.dtype in (BF16, F16) and q.shape[2] == sparse_gqa_hopper.HEAD_DIM
+        assert cache.data_ptr() % 16 == 0, cfg.id
+        if cfg.kv_dtype == NVFP4:
+            assert cache.stride(0) % 16 == 0 and cache.stride()[1:] == (cfg.page_size * 72, 72, 1), cfg.id
+            assert cfg.page_size % 4 == 0
+        else:
+            assert all(s % 16 == 0 for s in cache.stride()[:3]), cfg.id
+        assert cache.shape[0] * cfg.hkv * cfg.page_size <= _GQA_MAX_KEYS
+
+    @examples(20)
+    @given(case=mla_cases())
+    def check_mla(case):
+        spec = case[0]
+        kwargs = mla_inputs(spec, seed=case[1])
+        assert kwargs["q"].dtype == BF16 and spec.head_dim_v == 512 and spec.D in (512, 576)
+        for cache in (kwargs["kv_cache"], kwargs.get("extra_kv_cache")):
+            if cache is not None:
+                size = cache.element_size()
+                assert cache.data_ptr() % 16 == 0 and cache.stride(0) * size % 16 == 0, str(spec)
+                assert spec.kv_format != "auto" or cache.stride(1) * size % 16 == 0
+
+    check_gqa()
+    check_mla()
