@@ -34,7 +34,9 @@ from test_metadata import (
     ref_topk_to_global,
     use_slot_search,
 )
+from test_sparse_gqa import NVFP4, Cfg, flat_bytes, nvfp4_positions
 from test_sparse_gqa import _keys_read as gqa_keys_read
+from test_sparse_gqa import _nvfp4_cache as gqa_nvfp4_cache
 from test_sparse_gqa import reference as gqa_reference
 from test_sparse_mla import assert_matches
 from test_sparse_mla import reference as mla_reference
@@ -420,9 +422,13 @@ def test_sparse_mla_decode(backend, data, kv_format, t, h, k, k2, sink, scale):
        extra_rows=st.integers(0, 2), n_sel=st.integers(0, 4))
 def test_sparse_gqa_decode(backend, data, hkv, group, dh, page_size, dql, batch, extra_rows, n_sel):
     if backend == "interpreter":  # bf16 products are wrong in the interpreter: these pairs multiply in fp16
-        q_dtype, kv_dtype = data.draw(st.sampled_from([(F16, F16), (F16, BF16), (F16, FP8), (FP8, FP8)]))
+        q_dtype, kv_dtype = data.draw(st.sampled_from([(F16, F16), (F16, BF16), (F16, FP8), (FP8, FP8),
+                                                       (F16, NVFP4)]))
     else:
-        q_dtype, kv_dtype = data.draw(st.sampled_from([BF16, F16, FP8])), data.draw(st.sampled_from([BF16, F16, FP8]))
+        q_dtype = data.draw(st.sampled_from([BF16, F16, FP8]))
+        kv_dtype = data.draw(st.sampled_from([BF16, F16, FP8, NVFP4]))
+    if kv_dtype == NVFP4:
+        dh = 128  # the format's 72-byte token rows hold 128 values
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     rows = batch * dql + extra_rows
     num_cols, pages = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 6))
@@ -443,14 +449,29 @@ def test_sparse_gqa_decode(backend, data, hkv, group, dh, page_size, dql, batch,
                         dtype=I32)
     qo = torch.tensor([data.draw(st.one_of(st.integers(-2, num_cols * page_size + 3),
                                            st.sampled_from([INT32_MIN, INT32_MAX]))) for _ in range(rows)], dtype=I32)
-    cache = torch.randn(pages, hkv, page_size, 2 * dh, generator=g) * (4 if kv_dtype == FP8 else 1)
-    cache[~gqa_keys_read(topk, table, lens, qo, dql, pages, page_size)] = float("nan")
-    if data.draw(st.booleans()):  # NHD physical order
-        cache = cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+    read = gqa_keys_read(topk, table, lens, qo, dql, pages, page_size)
+    if kv_dtype == NVFP4:  # random codes and scales, a padded page stride; unread keys' bytes all 0xFF (NaN)
+        cfg = Cfg(hkv=hkv, page_size=page_size, page_pad=data.draw(st.sampled_from([0, 7, 16])))
+        cache = gqa_nvfp4_cache(cfg, pages, g)
+        storage = flat_bytes(cache)
+        for p, h_, o in (~read).nonzero().tolist():
+            for kv_index in (0, 1):
+                positions, scales = nvfp4_positions(cache, p, 2 * h_ + kv_index, o, v_order=kv_index == 1)
+                storage[positions + scales] = 0xFF
+    else:
+        cache = torch.randn(pages, hkv, page_size, 2 * dh, generator=g) * (4 if kv_dtype == FP8 else 1)
+        cache[~read] = float("nan")
+        if data.draw(st.booleans()):  # NHD physical order
+            cache = cache.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+        cache = cache.to(kv_dtype)
+    quantised = kv_dtype in (FP8, NVFP4)
+    scale_tensors = data.draw(st.booleans())
     args = dict(q=(torch.randn(rows, hkv * group, dh, generator=g) * (2 if q_dtype == FP8 else 1)).to(q_dtype),
-                kv_cache=cache.to(kv_dtype), topk_pages=topk, block_table=table, kv_segment_lens=lens, qo_offset=qo,
+                kv_cache=cache, topk_pages=topk, block_table=table, kv_segment_lens=lens, qo_offset=qo,
                 decode_query_len=dql, softmax_scale=dh ** -0.5, q_scale=0.5 if q_dtype == FP8 else 1.0,
-                k_scale=0.25 if kv_dtype == FP8 else 1.0, v_scale=0.5 if kv_dtype == FP8 else 1.0)
+                k_scale=0.25 if quantised else 1.0, v_scale=0.5 if quantised else 1.0,
+                k_scale_tensor=torch.tensor([0.75]) if scale_tensors else None,
+                v_scale_tensor=torch.tensor([1.5]) if scale_tensors else None)
     want = gqa_reference(**args)
     if backend == "interpreter":
         out = torch.full(args["q"].shape, float("nan"), dtype=BF16 if q_dtype == FP8 else q_dtype)
@@ -460,8 +481,9 @@ def test_sparse_gqa_decode(backend, data, hkv, group, dh, page_size, dql, batch,
         out = tsm.sparse_gqa_decode(a.pop("q"), a.pop("kv_cache"), a.pop("topk_pages"), a.pop("block_table"),
                                     a.pop("kv_segment_lens"), a.pop("qo_offset"), **a)
     assert not torch.isnan(out).any(), "a kernel read a key it must not read"
-    tol = 4e-3 if q_dtype == F16 and kv_dtype != FP8 else 2e-2
-    torch.testing.assert_close(out.cpu().double(), want, atol=tol, rtol=tol)
+    tol = 4e-3 if q_dtype == F16 and kv_dtype not in (FP8, NVFP4) else 2e-2
+    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0  # NVFP4 values reach 6 * 448
+    torch.testing.assert_close(out.cpu().double() / scale, want / scale, atol=tol, rtol=tol)
 
 
 # =====================================================================================================
