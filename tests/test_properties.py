@@ -20,6 +20,9 @@ import pytest
 import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 import formats_reference as ref
 import torch_sparse_mla as tsm
@@ -56,6 +59,66 @@ INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 BACKENDS = (["cpu"] + (["interpreter"] if INTERPRETER else [])
             + ([pytest.param("cuda", marks=pytest.mark.cuda)] if HAS_CUDA else []))
 backends = pytest.mark.parametrize("backend", BACKENDS)
+
+
+class _RecordOps(TorchDispatchMode):
+    """Notes every call of a ``torch.ops.sparse_mla`` operator that reaches the dispatcher (the public
+    functions hand every call to it while a dispatch mode is active): the operator and copies of its
+    arguments as they were before the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.namespace == "sparse_mla":
+            self.calls.append((func, _copies((args, kwargs))))
+        return func(*args, **kwargs)
+
+
+def _copies(tree):
+    return tree_map(lambda x: same_layout_copy(x) if isinstance(x, torch.Tensor) else x, tree)
+
+
+def assert_fakes_match(calls) -> None:
+    """Each recorded call made again through the functional overload of its operator (an ``out``
+    call without its ``out`` tensors), once on copies of its arguments and once on fake copies
+    (``FakeTensorMode``, what ``torch.compile`` traces with): the fake accepts the arguments the kernel
+    accepted and its outputs have the real ones' shapes, dtypes and strides (of every dim longer than
+    one)."""
+    for func, (args, kwargs) in calls:
+        values = {**dict(zip((a.name for a in func._schema.arguments), args)), **kwargs}
+        if "num_tokens" not in values and "out" in values:  # compressed_slot_mapping: the out tensor's length
+            values["num_tokens"] = values["out"].shape[0]
+        functional = getattr(torch.ops.sparse_mla, func._schema.name.split("::")[1]).default
+        named = {a.name: values[a.name] for a in functional._schema.arguments if a.name in values}
+        real = tree_flatten(functional(**_copies(named)))[0]
+        with FakeTensorMode() as mode:
+            fake = tree_flatten(functional(**tree_map(
+                lambda x: mode.from_tensor(x) if isinstance(x, torch.Tensor) else x, named)))[0]
+        assert len(real) == len(fake), functional
+        for r, f in zip(real, fake):
+            if isinstance(r, torch.Tensor):
+                long_dims = [d for d in range(r.dim()) if r.shape[d] > 1]
+                assert (r.shape, r.dtype, [r.stride(d) for d in long_dims]) == \
+                    (f.shape, f.dtype, [f.stride(d) for d in long_dims]), (functional, r.stride(), f.stride())
+
+
+@pytest.fixture(autouse=True)
+def _fakes_agree(request):
+    """On the CPU backend, every operator call of a property test's examples also goes through its fake
+    (``assert_fakes_match``): the fakes meet the random shapes the examples draw (empty batches, ``K = 1``,
+    padded strides), not only the fixed ones of the ``opcheck`` tests."""
+    spec = getattr(request.node, "callspec", None)
+    if spec is None or spec.params.get("backend") != "cpu":
+        yield
+        return
+    recorder = _RecordOps()
+    with recorder:
+        yield
+    assert recorder.calls, "no operator call reached the dispatcher"
+    assert_fakes_match(recorder.calls)
 
 
 def special32(capacity: int) -> list[int]:
