@@ -1,17 +1,22 @@
-"""Property tests of the two Hopper kernels over the whole domain each serves (an sm_90 GPU only).
+"""Property tests of the attention kernels over the whole domain each serves.
 
-The Hopper tests of ``test_sparse_mla.py`` and ``test_sparse_gqa.py`` run each kernel on a fixed list
-of shapes. Here hypothesis draws every input the kernel's ``supported`` accepts and its launch plan may
-vary: head counts on both sides of each head-block size, list widths on both sides of a block of 64
-keys and of the per-split page table, page sizes smaller than a block and with a partial last block,
-padded page strides, both value-cache layouts, device scales, the extra cache, lengths, sinks, invalid
-indices, empty rows, split counts and the head-block forms. Inputs come from the same factories as the
-parity tests (every cache element no valid entry may read is poisoned) and each example is checked
-against the same float64 references.
+The parity tests of ``test_sparse_mla.py`` and ``test_sparse_gqa.py`` run each kernel on a fixed list
+of shapes. Here hypothesis draws every input a kernel serves and its launch plan may vary: head counts
+on both sides of each head-block size, list widths on both sides of a block of 64 keys and of the
+per-split page table, page sizes smaller than a block and with a partial last block, padded page
+strides, both value-cache layouts, device scales, the extra cache, lengths, sinks, invalid indices,
+empty rows, split counts and the head-block forms. Inputs come from the same factories as the parity
+tests (every cache element no valid entry may read is poisoned) and each example is checked against
+the same float64 references.
 
-Example counts follow the profiles of ``common.examples`` (``gpu`` by default on a GPU: 30 examples per
-test, random); ``TSM_HYPOTHESIS_PROFILE=thorough`` runs 300. With ``-s`` each example prints one line,
-which counts the examples a time-limited run got through.
+- The two Hopper kernels (an sm_90 GPU only): every input their ``supported`` accepts (a CPU test
+  checks that every draw is one).
+- The portable kernels under the Triton interpreter (CPU machines): the same draws widened to what
+  only they serve.
+
+Example counts follow the profiles of ``common.examples`` (``gpu``, the default on a GPU: 30 examples
+per Hopper test, random; ``thorough``: 300). With ``-s`` each example prints one line, which counts the
+examples a time-limited run got through.
 """
 
 from __future__ import annotations
@@ -20,10 +25,11 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import examples, requires_hopper
+from common import examples, requires_hopper, requires_interpreter
 from test_sparse_gqa import FP8, NVFP4, Cfg, _out_buffer, assert_matches_reference
 from test_sparse_gqa import make_inputs as gqa_inputs
 from test_sparse_mla import _HEAD_FORMS, Spec, _outputs_like, _positional, _to_device, assert_matches
+from test_sparse_mla import expected as mla_expected
 from test_sparse_mla import make_inputs as mla_inputs
 from test_sparse_mla import reference as mla_reference
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
@@ -116,6 +122,76 @@ def test_sparse_mla_hopper_domain(case):
     mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits, path="hopper",
                                      config=None if form is None else _HEAD_FORMS[form])
     assert_matches(out, lse, *mla_reference(**kwargs), tensor_cores=True)
+
+
+# -- the portable kernels, under the Triton interpreter --------------------------------------------------
+# The same draws widened to what only the portable kernels serve (every value-cache dtype, head dims of
+# 64, pages of any size and any padding, misaligned views, generic head_dim_v and small auto dims),
+# with float16 queries (the interpreter's bfloat16 products are wrong). An example takes up to about
+# 15 s there, so the ci profile runs two of each; gpu and thorough run 20 and 200.
+
+
+@st.composite
+def gqa_portable_cases(draw):
+    """``(cfg, seed, num_splits)`` of a portable sparse-GQA call."""
+    kv_dtype = draw(st.sampled_from([F16, BF16, FP8, NVFP4]))
+    nvfp4 = kv_dtype == NVFP4
+    page_size = draw(st.sampled_from([4, 16, 64, 100, 128, 200] if nvfp4 else [1, 13, 16, 64, 96, 128, 200]))
+    group = draw(st.sampled_from([1, 2, 5, 8, 16, 17, 24, 33, 48]))
+    hkv = draw(st.integers(1, max(1, min(2, 64 // group))))
+    batch = draw(st.sampled_from([1, 2, 0]))
+    n_sel = min(draw(st.sampled_from([0, 1, 3, 16, 63, 64, 65, 72])), 8000 // page_size)
+    while n_sel and (batch * (n_sel + 3) + 3) * hkv * page_size > 30_000:
+        n_sel //= 2
+    cfg = Cfg(hq=hkv * group, hkv=hkv, dh=128 if nvfp4 else draw(st.sampled_from([64, 128])), page_size=page_size,
+              dql=draw(st.integers(1, 3)), q_dtype=F16, kv_dtype=kv_dtype,
+              layout="HND" if nvfp4 else draw(st.sampled_from(["HND", "NHD"])),
+              page_pad=draw(st.sampled_from([0, 5, 16])), batch=batch, n_sel=n_sel,
+              extra_rows=draw(st.integers(0, 1)), scale_tensors=draw(st.booleans()))
+    return cfg, draw(st.integers(0, 2**16)), draw(st.sampled_from([None, 1, 2, 3, 40]))
+
+
+@requires_interpreter
+@examples(2)
+@given(case=gqa_portable_cases())
+def test_sparse_gqa_portable_domain(case):
+    cfg, seed, num_splits = case
+    print(f"gqa portable example: {cfg.id} n_sel={cfg.n_sel} batch={cfg.batch} seed={seed} splits={num_splits}")
+    args, _ = gqa_inputs(cfg, seed=seed)
+    out = _out_buffer(args)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="portable")
+    assert_matches_reference(out, args)
+
+
+@st.composite
+def mla_portable_cases(draw):
+    """``(spec, seed, num_splits)`` of a portable sparse-MLA call."""
+    kv_format = draw(st.sampled_from(["fp8_656", "fp8_584", "auto"]))
+    dim = draw(st.sampled_from([576, 512, 80, 32])) if kv_format == "auto" else None
+    full = {"fp8_656": 576, "fp8_584": 512}.get(kv_format, dim)
+    k2 = draw(st.sampled_from([0, 0, 1, 40]))
+    spec = Spec(
+        kv_format=kv_format, T=draw(st.sampled_from([1, 2, 3, 0])), H=draw(st.sampled_from([1, 3, 16, 17, 33, 64])),
+        K=draw(st.sampled_from([1, 2, 7, 64, 65, 130])), K2=k2, dim=dim,
+        head_dim_v=draw(st.sampled_from([min(512, full), full, 16])), dtype=F16,
+        lengths=draw(st.booleans()), sink=draw(st.sampled_from([None, "finite", "inf"])),
+        bad_indices=draw(st.booleans()), empty_row=draw(st.booleans()), noncontig_q=draw(st.booleans()),
+        scale=draw(st.sampled_from([0.06, 0.3, -0.2, 0.0])),
+        page_size=draw(st.sampled_from([2, 4, 16, 64, 100] if k2 else [1, 4, 16, 64, 100])),  # the extra cache: half
+        page_pad=draw(st.sampled_from([0, 3, 16])), extra_page_pad=draw(st.sampled_from([None, 0, 16])))
+    return spec, draw(st.integers(0, 2**16)), draw(st.sampled_from([None, 1, 2, 3]))
+
+
+@requires_interpreter
+@examples(2)
+@given(case=mla_portable_cases())
+def test_sparse_mla_portable_domain(case):
+    spec, seed, num_splits = case
+    print(f"mla portable example: {spec} page_size={spec.page_size} seed={seed} splits={num_splits}")
+    kwargs = mla_inputs(spec, seed=seed)
+    out, lse = _outputs_like(kwargs)
+    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=num_splits, path="portable")
+    assert_matches(out, lse, *mla_expected(spec, kwargs), tensor_cores=True)
 
 
 def test_cases_stay_within_the_hopper_domain():
