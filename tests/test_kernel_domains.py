@@ -21,11 +21,12 @@ examples a time-limited run got through.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import examples, requires_hopper, requires_interpreter
+from common import HAS_CUDA, INTERPRETER, examples, requires_hopper
 from test_sparse_gqa import FP8, NVFP4, Cfg, _out_buffer, assert_matches_reference
 from test_sparse_gqa import make_inputs as gqa_inputs
 from test_sparse_mla import _HEAD_FORMS, Spec, _outputs_like, _positional, _to_device, assert_matches
@@ -124,15 +125,19 @@ def test_sparse_mla_hopper_domain(case):
     assert_matches(out, lse, *mla_reference(**kwargs), tensor_cores=True)
 
 
-# -- the portable kernels, under the Triton interpreter --------------------------------------------------
+# -- the portable kernels, under the Triton interpreter and on a GPU ---------------------------------------
 # The same draws widened to what only the portable kernels serve (every value-cache dtype, head dims of
-# 64, pages of any size and any padding, misaligned views, generic head_dim_v and small auto dims),
-# with float16 queries (the interpreter's bfloat16 products are wrong). An example takes up to about
-# 15 s there, so the ci profile runs two of each; gpu and thorough run 20 and 200.
+# 64, pages of any size and any padding, misaligned views, generic head_dim_v and small auto dims). The
+# interpreter takes float16 queries only (its bfloat16 products are wrong) and up to about 15 s per
+# example, so the ci profile runs two of each; gpu and thorough run 20 and 200. On a GPU the calls ask for
+# the portable kernel (``path="portable"``), which serves every GPU but sm_90.
+
+PORTABLE_BACKENDS = pytest.mark.parametrize("backend", (["interpreter"] if INTERPRETER else []) + (
+    [pytest.param("cuda", marks=pytest.mark.cuda)] if HAS_CUDA else []))
 
 
 @st.composite
-def gqa_portable_cases(draw):
+def gqa_portable_cases(draw, q_dtypes):
     """``(cfg, seed, num_splits)`` of a portable sparse-GQA call."""
     kv_dtype = draw(st.sampled_from([F16, BF16, FP8, NVFP4]))
     nvfp4 = kv_dtype == NVFP4
@@ -144,27 +149,27 @@ def gqa_portable_cases(draw):
     while n_sel and (batch * (n_sel + 3) + 3) * hkv * page_size > 30_000:
         n_sel //= 2
     cfg = Cfg(hq=hkv * group, hkv=hkv, dh=128 if nvfp4 else draw(st.sampled_from([64, 128])), page_size=page_size,
-              dql=draw(st.integers(1, 3)), q_dtype=F16, kv_dtype=kv_dtype,
+              dql=draw(st.integers(1, 3)), q_dtype=draw(st.sampled_from(q_dtypes)), kv_dtype=kv_dtype,
               layout="HND" if nvfp4 else draw(st.sampled_from(["HND", "NHD"])),
               page_pad=draw(st.sampled_from([0, 5, 16])), batch=batch, n_sel=n_sel,
               extra_rows=draw(st.integers(0, 1)), scale_tensors=draw(st.booleans()))
     return cfg, draw(st.integers(0, 2**16)), draw(st.sampled_from([None, 1, 2, 3, 40]))
 
 
-@requires_interpreter
+@PORTABLE_BACKENDS
 @examples(2)
-@given(case=gqa_portable_cases())
-def test_sparse_gqa_portable_domain(case):
-    cfg, seed, num_splits = case
+@given(data=st.data())
+def test_sparse_gqa_portable_domain(backend, data):
+    cfg, seed, num_splits = data.draw(gqa_portable_cases([F16] if backend == "interpreter" else [BF16, F16]))
     print(f"gqa portable example: {cfg.id} n_sel={cfg.n_sel} batch={cfg.batch} seed={seed} splits={num_splits}")
-    args, _ = gqa_inputs(cfg, seed=seed)
+    args, _ = gqa_inputs(cfg, seed=seed, device="cpu" if backend == "interpreter" else "cuda")
     out = _out_buffer(args)
     gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="portable")
     assert_matches_reference(out, args)
 
 
 @st.composite
-def mla_portable_cases(draw):
+def mla_portable_cases(draw, dtypes):
     """``(spec, seed, num_splits)`` of a portable sparse-MLA call."""
     kv_format = draw(st.sampled_from(["fp8_656", "fp8_584", "auto"]))
     dim = draw(st.sampled_from([576, 512, 80, 32])) if kv_format == "auto" else None
@@ -173,7 +178,7 @@ def mla_portable_cases(draw):
     spec = Spec(
         kv_format=kv_format, T=draw(st.sampled_from([1, 2, 3, 0])), H=draw(st.sampled_from([1, 3, 16, 17, 33, 64])),
         K=draw(st.sampled_from([1, 2, 7, 64, 65, 130])), K2=k2, dim=dim,
-        head_dim_v=draw(st.sampled_from([min(512, full), full, 16])), dtype=F16,
+        head_dim_v=draw(st.sampled_from([min(512, full), full, 16])), dtype=draw(st.sampled_from(dtypes)),
         lengths=draw(st.booleans()), sink=draw(st.sampled_from([None, "finite", "inf"])),
         bad_indices=draw(st.booleans()), empty_row=draw(st.booleans()), noncontig_q=draw(st.booleans()),
         scale=draw(st.sampled_from([0.06, 0.3, -0.2, 0.0])),
@@ -182,15 +187,17 @@ def mla_portable_cases(draw):
     return spec, draw(st.integers(0, 2**16)), draw(st.sampled_from([None, 1, 2, 3]))
 
 
-@requires_interpreter
+@PORTABLE_BACKENDS
 @examples(2)
-@given(case=mla_portable_cases())
-def test_sparse_mla_portable_domain(case):
-    spec, seed, num_splits = case
+@given(data=st.data())
+def test_sparse_mla_portable_domain(backend, data):
+    spec, seed, num_splits = data.draw(mla_portable_cases([F16] if backend == "interpreter" else [BF16, F16]))
     print(f"mla portable example: {spec} page_size={spec.page_size} seed={seed} splits={num_splits}")
     kwargs = mla_inputs(spec, seed=seed)
-    out, lse = _outputs_like(kwargs)
-    mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=num_splits, path="portable")
+    device = "cpu" if backend == "interpreter" else "cuda"
+    out, lse = _outputs_like(kwargs, device)
+    mla_ops.sparse_mla_decode_triton(*_positional(_to_device(kwargs, device)), out=out, lse=lse,
+                                     num_splits=num_splits, path="portable")
     assert_matches(out, lse, *mla_expected(spec, kwargs), tensor_cores=True)
 
 
