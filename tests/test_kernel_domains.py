@@ -136,6 +136,11 @@ PORTABLE_BACKENDS = pytest.mark.parametrize("backend", (["interpreter"] if INTER
     [pytest.param("cuda", marks=pytest.mark.cuda)] if HAS_CUDA else []))
 
 
+def _on(backend: str) -> tuple[list[torch.dtype], str]:
+    """The query dtypes a backend's examples draw from, and the device of their tensors."""
+    return ([F16], "cpu") if backend == "interpreter" else ([BF16, F16], "cuda")
+
+
 @st.composite
 def gqa_portable_cases(draw, q_dtypes):
     """``(cfg, seed, num_splits)`` of a portable sparse-GQA call."""
@@ -160,9 +165,10 @@ def gqa_portable_cases(draw, q_dtypes):
 @examples(2)
 @given(data=st.data())
 def test_sparse_gqa_portable_domain(backend, data):
-    cfg, seed, num_splits = data.draw(gqa_portable_cases([F16] if backend == "interpreter" else [BF16, F16]))
+    q_dtypes, device = _on(backend)
+    cfg, seed, num_splits = data.draw(gqa_portable_cases(q_dtypes))
     print(f"gqa portable example: {cfg.id} n_sel={cfg.n_sel} batch={cfg.batch} seed={seed} splits={num_splits}")
-    args, _ = gqa_inputs(cfg, seed=seed, device="cpu" if backend == "interpreter" else "cuda")
+    args, _ = gqa_inputs(cfg, seed=seed, device=device)
     out = _out_buffer(args)
     gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits, path="portable")
     assert_matches_reference(out, args)
@@ -191,10 +197,10 @@ def mla_portable_cases(draw, dtypes):
 @examples(2)
 @given(data=st.data())
 def test_sparse_mla_portable_domain(backend, data):
-    spec, seed, num_splits = data.draw(mla_portable_cases([F16] if backend == "interpreter" else [BF16, F16]))
+    q_dtypes, device = _on(backend)
+    spec, seed, num_splits = data.draw(mla_portable_cases(q_dtypes))
     print(f"mla portable example: {spec} page_size={spec.page_size} seed={seed} splits={num_splits}")
     kwargs = mla_inputs(spec, seed=seed)
-    device = "cpu" if backend == "interpreter" else "cuda"
     out, lse = _outputs_like(kwargs, device)
     mla_ops.sparse_mla_decode_triton(*_positional(_to_device(kwargs, device)), out=out, lse=lse,
                                      num_splits=num_splits, path="portable")
