@@ -37,7 +37,7 @@ from test_metadata import (
     ref_topk_to_global,
     use_slot_search,
 )
-from test_sparse_gqa import NVFP4, Cfg, flat_bytes, nvfp4_positions
+from test_sparse_gqa import NVFP4, Cfg, poison_unread_nvfp4
 from test_sparse_gqa import _keys_read as gqa_keys_read
 from test_sparse_gqa import _nvfp4_cache as gqa_nvfp4_cache
 from test_sparse_gqa import reference as gqa_reference
@@ -516,11 +516,7 @@ def test_sparse_gqa_decode(backend, data, hkv, group, dh, page_size, dql, batch,
     if kv_dtype == NVFP4:  # random codes and scales, a padded page stride; unread keys' bytes all 0xFF (NaN)
         cfg = Cfg(hkv=hkv, page_size=page_size, page_pad=data.draw(st.sampled_from([0, 7, 16])))
         cache = gqa_nvfp4_cache(cfg, pages, g)
-        storage = flat_bytes(cache)
-        for p, h_, o in (~read).nonzero().tolist():
-            for kv_index in (0, 1):
-                positions, scales = nvfp4_positions(cache, p, 2 * h_ + kv_index, o, v_order=kv_index == 1)
-                storage[positions + scales] = 0xFF
+        poison_unread_nvfp4(cache, read)
     else:
         cache = torch.randn(pages, hkv, page_size, 2 * dh, generator=g) * (4 if kv_dtype == FP8 else 1)
         cache[~read] = float("nan")

@@ -265,6 +265,16 @@ def _nvfp4_cache(cfg: Cfg, num_pages: int, gen: torch.Generator) -> torch.Tensor
     return cache
 
 
+def poison_unread_nvfp4(cache: torch.Tensor, read: torch.Tensor) -> None:
+    """Every data and scale byte of the keys ``read`` (bool ``[pages, Hkv, page_size]``) leaves out set
+    to 0xFF (a NaN scale), in both the K and the V slot."""
+    storage = flat_bytes(cache)
+    for p, g, o in (~read).nonzero().tolist():
+        for kv_index in (0, 1):
+            data, scales = nvfp4_positions(cache, p, 2 * g + kv_index, o, v_order=kv_index == 1)
+            storage[data + scales] = 0xFF
+
+
 def make_inputs(cfg: Cfg, seed: int = 0, device="cpu"):
     """Schema-ordered arguments of one call (a dict) and the ``seq_lens`` they were made from.
 
@@ -310,11 +320,7 @@ def make_inputs(cfg: Cfg, seed: int = 0, device="cpu"):
     read = _keys_read(topk, block_table, kv_lens, qo, cfg.dql, num_pages, ps)
     if cfg.kv_dtype == NVFP4:
         cache = _nvfp4_cache(cfg, num_pages, gen)
-        storage = flat_bytes(cache)
-        for p, g, o in (~read).nonzero().tolist():  # poison every unread key: its data and scale bytes
-            for kv_index in (0, 1):
-                data, scales = nvfp4_positions(cache, p, 2 * g + kv_index, o, v_order=kv_index == 1)
-                storage[data + scales] = 0xFF
+        poison_unread_nvfp4(cache, read)
     else:
         cache = _value_cache(cfg, num_pages, gen)
         if cfg.kv_dtype == FP8:
