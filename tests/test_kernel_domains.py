@@ -11,8 +11,8 @@ the same float64 references.
 
 - The two Hopper kernels (an sm_90 GPU only): every input their ``supported`` accepts (a CPU test
   checks that every draw is one).
-- The portable kernels under the Triton interpreter (CPU machines): the same draws widened to what
-  only they serve.
+- The portable kernels under the Triton interpreter (CPU machines) and, forced with
+  ``path="portable"``, on any GPU: the same draws widened to what only they serve.
 
 Example counts follow the profiles of ``common.examples`` (``gpu``, the default on a GPU: 30 examples
 per Hopper test, random; ``thorough``: 300). With ``-s`` each example prints one line, which counts the
@@ -44,6 +44,19 @@ _GQA_MAX_KEYS = 60_000  # cache keys: pages x KV heads x page size
 _GQA_MAX_SELECTED = 12_000  # keys of one (row, KV head)'s selected pages
 
 
+def _within(batch: int, n_sel: int, hkv: int, page_size: int, max_keys: int) -> tuple[int, int]:
+    """``(batch, n_sel)`` cut down (fewer requests first) until the factory's cache (``make_inputs``:
+    ``batch * (n_sel + 3) + 3`` pages) holds at most ``max_keys`` keys."""
+    def keys():
+        return (batch * (n_sel + 3) + 3) * hkv * page_size
+
+    while keys() > max_keys and batch > 1:
+        batch -= 1
+    while keys() > max_keys and n_sel:
+        n_sel //= 2
+    return batch, n_sel
+
+
 @st.composite
 def gqa_cases(draw):
     """``(cfg, seed, num_splits, transposed_out)`` of a call the Hopper sparse-GQA kernel serves."""
@@ -56,13 +69,7 @@ def gqa_cases(draw):
     # the edges: no page, one block, the 64 pages a CTA's page table holds (more take two splits)
     n_sel = min(draw(st.sampled_from([0, 1, 2, 3, 5, 16, 33, 63, 64, 65, 72])), _GQA_MAX_SELECTED // page_size)
 
-    def keys():  # the factory's cache: pages x KV heads x page size
-        return (batch * (n_sel + 3) + 3) * hkv * page_size
-
-    while keys() > _GQA_MAX_KEYS and batch > 1:
-        batch -= 1
-    while keys() > _GQA_MAX_KEYS:
-        n_sel //= 2
+    batch, n_sel = _within(batch, n_sel, hkv, page_size, _GQA_MAX_KEYS)
     cfg = Cfg(hq=hkv * group, hkv=hkv, dh=128, page_size=page_size, dql=draw(st.integers(1, 4)),
               q_dtype=draw(st.sampled_from([BF16, F16])), kv_dtype=NVFP4 if nvfp4 else FP8,
               layout="HND" if nvfp4 else draw(st.sampled_from(["HND", "NHD"])),
@@ -151,8 +158,7 @@ def gqa_portable_cases(draw, q_dtypes):
     hkv = draw(st.integers(1, max(1, min(2, 64 // group))))
     batch = draw(st.sampled_from([1, 2, 0]))
     n_sel = min(draw(st.sampled_from([0, 1, 3, 16, 63, 64, 65, 72])), 8000 // page_size)
-    while n_sel and (batch * (n_sel + 3) + 3) * hkv * page_size > 30_000:
-        n_sel //= 2
+    batch, n_sel = _within(batch, n_sel, hkv, page_size, 30_000)
     cfg = Cfg(hq=hkv * group, hkv=hkv, dh=128 if nvfp4 else draw(st.sampled_from([64, 128])), page_size=page_size,
               dql=draw(st.integers(1, 3)), q_dtype=draw(st.sampled_from(q_dtypes)), kv_dtype=kv_dtype,
               layout="HND" if nvfp4 else draw(st.sampled_from(["HND", "NHD"])),
