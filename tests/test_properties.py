@@ -40,7 +40,7 @@ from test_metadata import (
 from test_sparse_gqa import NVFP4, Cfg, poison_unread_nvfp4
 from test_sparse_gqa import _keys_read as gqa_keys_read
 from test_sparse_gqa import _nvfp4_cache as gqa_nvfp4_cache
-from test_sparse_gqa import reference as gqa_reference
+from test_sparse_gqa import assert_matches_reference as gqa_assert_matches
 from test_sparse_mla import assert_matches
 from test_sparse_mla import reference as mla_reference
 from torch_sparse_mla.ops import kv_cache as kv_ops
@@ -531,7 +531,6 @@ def test_sparse_gqa_decode(backend, data, hkv, group, dh, page_size, dql, batch,
                 k_scale=0.25 if quantised else 1.0, v_scale=0.5 if quantised else 1.0,
                 k_scale_tensor=torch.tensor([0.75]) if scale_tensors else None,
                 v_scale_tensor=torch.tensor([1.5]) if scale_tensors else None)
-    want = gqa_reference(**args)
     if backend == "interpreter":
         out = torch.full(args["q"].shape, float("nan"), dtype=BF16 if q_dtype == FP8 else q_dtype)
         gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out)
@@ -539,10 +538,8 @@ def test_sparse_gqa_decode(backend, data, hkv, group, dh, page_size, dql, batch,
         a = {name: to(v, backend) if isinstance(v, torch.Tensor) else v for name, v in args.items()}
         out = tsm.sparse_gqa_decode(a.pop("q"), a.pop("kv_cache"), a.pop("topk_pages"), a.pop("block_table"),
                                     a.pop("kv_segment_lens"), a.pop("qo_offset"), **a)
-    assert not torch.isnan(out).any(), "a kernel read a key it must not read"
     tol = 4e-3 if q_dtype == F16 and kv_dtype not in (FP8, NVFP4) else 2e-2
-    scale = max(1.0, float(want.abs().max())) if want.numel() else 1.0  # NVFP4 values reach 6 * 448
-    torch.testing.assert_close(out.cpu().double() / scale, want / scale, atol=tol, rtol=tol)
+    gqa_assert_matches(out, args, tol=dict(atol=tol, rtol=tol))
 
 
 # =====================================================================================================
