@@ -929,21 +929,24 @@ ALIGNED_ARGS = (4,)
 
 
 def supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
-    """Whether the Hopper kernel serves this call (else the portable kernel does): shapes, strides,
-    dtypes and the cache's base address only. A float8 value cache needs its page, head and row strides
-    in multiples of 16 bytes; an NVFP4 cache (uint8, ``[pages, 2 Hkv, page_size, 72]``, its slots
-    ``page_size * 72`` bytes apart by the format) its page stride; both a 16-byte aligned base."""
-    if not HAS_GLUON or q.device.type != "cuda" or kv_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
+    """Whether the Hopper kernel serves this call (else the portable kernel does): an sm_90 device with
+    Gluon, and an input layout :func:`layout_supported` accepts."""
+    return HAS_GLUON and q.device.type == "cuda" and layout_supported(q, kv_cache) and _is_sm90(q.device)
+
+
+def layout_supported(q: torch.Tensor, kv_cache: torch.Tensor) -> bool:
+    """The part of :func:`supported` that needs no GPU: shapes, strides, dtypes and the cache's base
+    address. A float8 value cache needs its page, head and row strides in multiples of 16 bytes; an
+    NVFP4 cache (uint8, ``[pages, 2 Hkv, page_size, 72]``, its slots ``page_size * 72`` bytes apart by
+    the format) its page stride; both a 16-byte aligned base."""
+    if kv_cache.dtype not in (torch.float8_e4m3fn, torch.uint8):
         return False
     if q.dtype not in (torch.bfloat16, torch.float16) or q.shape[2] != HEAD_DIM or kv_cache.data_ptr() % 16:
         return False
     if kv_cache.dtype == torch.uint8:
         page_size = kv_cache.shape[2]
-        if kv_cache.stride(0) % 16 or kv_cache.stride()[1:] != (page_size * 72, 72, 1) or page_size % 4:
-            return False
-    elif any(s % 16 for s in kv_cache.stride()[:3]):
-        return False
-    return _is_sm90(q.device)
+        return not (kv_cache.stride(0) % 16 or kv_cache.stride()[1:] != (page_size * 72, 72, 1) or page_size % 4)
+    return not any(s % 16 for s in kv_cache.stride()[:3])
 
 
 def plan_launch(num_tokens: int, num_kv_heads: int, group: int, n_sel: int, page_size: int, num_sms: int,

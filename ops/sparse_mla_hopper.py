@@ -1150,15 +1150,20 @@ ALIGNED_ARGS = (4, 15)
 
 
 def supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) -> bool:
-    """Whether the Hopper kernel serves this call (else the portable kernel does): shapes, strides and
-    the caches' 16-byte alignment (its ``cp.async`` row copies do not compile for a cache base the JIT
-    cannot prove 16-byte aligned; every other pointer may have any alignment)."""
-    if not HAS_GLUON or q.device.type != "cuda" or q.dtype != torch.bfloat16 or head_dim_v != 512:
+    """Whether the Hopper kernel serves this call (else the portable kernel does): an sm_90 device with
+    Gluon, and an input layout :func:`layout_supported` accepts."""
+    return (HAS_GLUON and q.device.type == "cuda"
+            and layout_supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) and _is_sm90(q.device))
+
+
+def layout_supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) -> bool:
+    """The part of :func:`supported` that needs no GPU: shapes, strides and the caches' 16-byte
+    alignment (its ``cp.async`` row copies do not compile for a cache base the JIT cannot prove 16-byte
+    aligned; every other pointer may have any alignment)."""
+    if q.dtype != torch.bfloat16 or head_dim_v != 512:
         return False
     dim = q.shape[2]
-    if kv_format == "fp8_656" or (kv_format == "auto" and dim == 576):
-        pass
-    elif not (kv_format == "fp8_584" or (kv_format == "auto" and dim == 512)):
+    if not (kv_format in ("fp8_656", "fp8_584") or (kv_format == "auto" and dim in (512, 576))):
         return False
     for cache in (kv_cache, extra_kv_cache):
         if cache is None:
@@ -1167,7 +1172,7 @@ def supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache) -> bool:
         if (cache.data_ptr() % 16 or (cache.stride(0) * size) % 16
                 or (kv_format == "auto" and (cache.stride(1) * size) % 16)):
             return False
-    return _is_sm90(q.device)
+    return True
 
 
 def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int,

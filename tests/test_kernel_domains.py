@@ -21,6 +21,8 @@ examples a time-limited run got through.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from hypothesis import given
@@ -214,37 +216,66 @@ def test_sparse_mla_portable_domain(backend, data):
 
 
 def test_cases_stay_within_the_hopper_domain():
-    """Without a GPU: every drawn case is one the kernels' ``supported`` would accept on an sm_90 device
-    (the checks that do not need one: dtypes, dims, the caches' 16-byte strides and base), within the
-    size bounds above."""
-    from torch_sparse_mla.ops import sparse_gqa_hopper
+    """Without a GPU: every drawn case has an input layout the Hopper kernels accept
+    (``layout_supported``, the part of each ``supported`` that needs no GPU: dtypes, dims, the caches'
+    16-byte strides and base), within the size bounds above."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper, sparse_mla_hopper
 
     @examples(20)
     @given(case=gqa_cases())
     def check_gqa(case):
         cfg = case[0]
         args, _ = gqa_inputs(cfg, seed=case[1])
-        q, cache = args["q"], args["kv_cache"]
-        assert q.dtype in (BF16, F16) and q.shape[2] == sparse_gqa_hopper.HEAD_DIM
-        assert cache.data_ptr() % 16 == 0, cfg.id
-        if cfg.kv_dtype == NVFP4:
-            assert cache.stride(0) % 16 == 0 and cache.stride()[1:] == (cfg.page_size * 72, 72, 1), cfg.id
-            assert cfg.page_size % 4 == 0
-        else:
-            assert all(s % 16 == 0 for s in cache.stride()[:3]), cfg.id
-        assert cache.shape[0] * cfg.hkv * cfg.page_size <= _GQA_MAX_KEYS
+        assert sparse_gqa_hopper.layout_supported(args["q"], args["kv_cache"]), cfg.id
+        assert args["kv_cache"].shape[0] * cfg.hkv * cfg.page_size <= _GQA_MAX_KEYS
 
     @examples(20)
     @given(case=mla_cases())
     def check_mla(case):
         spec = case[0]
         kwargs = mla_inputs(spec, seed=case[1])
-        assert kwargs["q"].dtype == BF16 and spec.head_dim_v == 512 and spec.D in (512, 576)
-        for cache in (kwargs["kv_cache"], kwargs.get("extra_kv_cache")):
-            if cache is not None:
-                size = cache.element_size()
-                assert cache.data_ptr() % 16 == 0 and cache.stride(0) * size % 16 == 0, str(spec)
-                assert spec.kv_format != "auto" or cache.stride(1) * size % 16 == 0
+        assert sparse_mla_hopper.layout_supported(kwargs["q"], kwargs["kv_cache"], spec.kv_format, spec.head_dim_v,
+                                                  kwargs.get("extra_kv_cache")), str(spec)
 
     check_gqa()
     check_mla()
+
+
+def test_layout_supported_refuses_what_the_hopper_kernels_cannot_serve():
+    """The layout checks can fail: each condition, broken on its own, is refused."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper, sparse_mla_hopper
+
+    def shifted(shape, dtype, by):  # a contiguous tensor whose base is `by` elements past an allocation's
+        return torch.zeros(math.prod(shape) + by, dtype=dtype)[by:].view(shape)
+
+    def strided(shape, strides, dtype):
+        return torch.zeros(shape[0] * strides[0], dtype=dtype).as_strided(shape, strides)
+
+    gqa = sparse_gqa_hopper.layout_supported
+    q = torch.zeros(2, 16, 128, dtype=BF16)
+    fp8 = torch.zeros(4, 2, 64, 256, dtype=torch.float8_e4m3fn)
+    nv = torch.zeros(4, 4, 64, 72, dtype=torch.uint8)
+    assert gqa(q, fp8) and gqa(q.half(), fp8) and gqa(q, nv)
+    assert not gqa(q.float(), fp8)  # query dtype
+    assert not gqa(torch.zeros(2, 16, 64, dtype=BF16), fp8)  # head dim
+    assert not gqa(q, fp8.to(BF16))  # a bf16 value cache
+    assert not gqa(q, torch.zeros(4, 2, 64, 264, dtype=torch.float8_e4m3fn)[..., :256])  # row stride
+    assert not gqa(q, shifted((4, 2, 64, 256), torch.float8_e4m3fn, 8))  # base
+    assert not gqa(q, torch.zeros(4, 4, 62, 72, dtype=torch.uint8))  # page size not a multiple of 4
+    assert not gqa(q, torch.zeros(4, 4, 64, 80, dtype=torch.uint8)[..., :72])  # not the format's slots
+    assert not gqa(q, strided((4, 4, 64, 72), (4 * 64 * 72 + 8, 64 * 72, 72, 1), torch.uint8))  # page stride
+    assert not gqa(q, shifted((4, 4, 64, 72), torch.uint8, 4))  # base
+
+    mla = sparse_mla_hopper.layout_supported
+    q = torch.zeros(2, 64, 576, dtype=BF16)
+    cache = torch.zeros(8, 64, 656, dtype=torch.uint8)
+    bf16 = torch.zeros(8, 64, 576, dtype=BF16)
+    assert mla(q, cache, "fp8_656", 512, None) and mla(q, bf16, "auto", 512, None)
+    assert mla(q, cache, "fp8_656", 512, cache)
+    assert not mla(q.half(), cache, "fp8_656", 512, None)  # query dtype
+    assert not mla(q, cache, "fp8_656", 448, None)  # value dim
+    assert not mla(q[..., :500], bf16[..., :500], "auto", 512, None)  # neither D
+    assert not mla(q, shifted((8, 64, 656), torch.uint8, 1), "fp8_656", 512, None)  # base
+    assert not mla(q, strided((8, 64, 576), (64 * 576 + 4, 576, 1), BF16), "auto", 512, None)  # page stride
+    assert not mla(q, torch.zeros(8, 64, 580, dtype=BF16)[..., :576], "auto", 512, None)  # row stride
+    assert not mla(q, cache, "fp8_656", 512, shifted((8, 64, 656), torch.uint8, 2))  # the extra cache's base
