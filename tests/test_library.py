@@ -492,6 +492,62 @@ def test_recent_signature_ring():
     assert seen.find((torch.ones(2, 4).t(), 1), (), key_of)[0] is not None
 
 
+def test_a_guard_made_in_another_dispatch_state_is_made_again():
+    """A signature first seen inside a dispatch mode (its guard then holds that mode's dispatch-key
+    state and refuses every later call made outside it) gets its guard made again on the next call
+    of the signature: from the call after that on, the ring serves it."""
+    if _library._GUARDS is None:
+        pytest.skip("torch._C._dynamo.guards.TensorGuards is missing or changed")
+    seen = _library._Validated()
+    built = []
+
+    def key_of(args, outputs):
+        built.append(1)
+        return args[0].shape, args[1]
+
+    x = torch.zeros(4, 2)
+
+    class Remember(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.put(key_of((x, 1), ()), "a", (x, 1))  # inside the mode: its dispatch-key state
+            return func(*args, **(kwargs or {}))
+
+    with Remember():
+        torch.ones(1) + 1
+    built.clear()
+    assert seen.find((torch.ones(4, 2), 1), (), key_of) == ((x.shape, 1), "a"), "the mode's guard should refuse"
+    assert built == [1]
+    for _ in range(5):
+        assert seen.find((torch.ones(4, 2), 1), (), key_of) == (None, "a")
+    assert built == [1] and seen.misses == 0
+
+
+def test_compiled_calls_are_recognised_by_the_ring(monkeypatch):
+    """In compiled code every call of a known signature is recognised without building its key, the
+    first compiled call included (which torch.compile may make inside a dispatch mode of its own)."""
+    if _library._GUARDS is None:
+        pytest.skip("torch._C._dynamo.guards.TensorGuards is missing or changed")
+    built = []
+    key_of = _library._metadata_key
+
+    def counting(args, outputs=()):
+        built.append(1)
+        return key_of(args, outputs)
+
+    monkeypatch.setattr(_library, "_metadata_key", counting)
+    torch._dynamo.reset()
+    seq = torch.tensor([5, 9, 3, 7, 1], dtype=torch.int32)  # a shape no other test uses
+    fn = torch.compile(lambda s: torch.ops.sparse_mla.decode_runtime_metadata(s, 2)[1] + 1, fullgraph=True)
+    rows = torch.arange(10)
+    want = (seq.repeat_interleave(2) - 2 + rows % 2 + 1).to(torch.int32)  # qo_offset + 1, not the operator
+    for _ in range(3):
+        torch.testing.assert_close(fn(seq), want, rtol=0, atol=0)
+    built.clear()
+    for _ in range(10):
+        torch.testing.assert_close(fn(seq), want, rtol=0, atol=0)
+    assert built == [], f"{len(built)} of 10 compiled calls built their signature key"
+
+
 def test_without_tensor_guards(monkeypatch):
     """Where PyTorch's tensor guard is missing (or fails the import-time self-test), every call builds
     its signature key, with the same results."""

@@ -253,6 +253,7 @@ class _Validated(dict):
         ``(key, value or None)`` otherwise. ``key_of(args, outputs)`` builds the signature key."""
         ring = self.ring
         trying = bool(ring) and (self.misses < 8 or self._probe())
+        stale = None  # a ring entry whose guard refused a call that matched everything else
         if trying:
             last = self.last
             try:
@@ -271,6 +272,7 @@ class _Validated(dict):
                                 except AttributeError:  # None where the signature has a tensor
                                     continue
                             if not guard(*tensors):
+                                stale = i
                                 continue
                             self.succ[last] = i
                             self.last = i
@@ -286,6 +288,12 @@ class _Validated(dict):
             index = self.where.get(key)
             if index is None and (trying or not ring):
                 index = self._remember(key, args, outputs, value)
+            elif index is not None and index == stale:
+                # Same signature, yet the guard refused: the guard also holds the thread's dispatch-key
+                # state at its making, and that state differed (a first call made inside a dispatch
+                # mode, such as the aliasing check torch.compile runs its first call under). Make the
+                # guard again in this call's state.
+                self._remember(key, args, outputs, value, index)
             self._follow(index)
         return key, value
 
@@ -302,12 +310,13 @@ class _Validated(dict):
         self.calls += 1
         return not self.calls & 31
 
-    def _remember(self, key, args, outputs, value):
-        """Add a signature to the ring; its index, or None when it was not added."""
+    def _remember(self, key, args, outputs, value, index=None):
+        """Add a signature to the ring (or, with ``index``, make the guard of the entry there again); its
+        index, or None when it was not added."""
         if _GUARDS is None:
             return None
         full = len(self.ring) >= _RECENT
-        if full:
+        if full and index is None:
             self.skipped += 1
             if self.skipped < 4:
                 return None
@@ -321,6 +330,9 @@ class _Validated(dict):
             return None
         entry = (len(args), _pick(tensor_pos), _pick(other_pos), tuple(map(type, others)), others, guard, value, key)
         # Entries are replaced whole, never mutated, so a concurrent find() reads complete ones.
+        if index is not None:
+            self.ring[index] = entry
+            return index
         if not full:
             index = len(self.ring)
             self.ring.append(entry)
