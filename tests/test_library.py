@@ -494,8 +494,9 @@ def test_recent_signature_ring():
 
 def test_a_guard_made_in_another_dispatch_state_is_made_again():
     """A signature first seen inside a dispatch mode (its guard then holds that mode's dispatch-key
-    state and refuses every later call made outside it) gets its guard made again on the next call
-    of the signature: from the call after that on, the ring serves it."""
+    state and refuses every later call made outside it) gets a ring entry made in the next call's
+    state: from the call after that on, the ring serves it. Calls alternating between two states
+    (in and out of ``torch.inference_mode``) are served by one entry each."""
     if _library._GUARDS is None:
         pytest.skip("torch._C._dynamo.guards.TensorGuards is missing or changed")
     seen = _library._Validated()
@@ -520,6 +521,13 @@ def test_a_guard_made_in_another_dispatch_state_is_made_again():
     for _ in range(5):
         assert seen.find((torch.ones(4, 2), 1), (), key_of) == (None, "a")
     assert built == [1] and seen.misses == 0
+    # calls alternating between two states: after one call in each, the ring serves both
+    y = torch.ones(4, 2)
+    for step in range(12):
+        with torch.inference_mode(step % 2 == 0):
+            key, value = seen.find((y, 1), (), key_of)
+        assert value == "a" and (step < 2 or key is None), step
+    assert len(built) == 3  # the first call above, then one per state
 
 
 def test_compiled_calls_are_recognised_by_the_ring(monkeypatch):

@@ -253,7 +253,6 @@ class _Validated(dict):
         ``(key, value or None)`` otherwise. ``key_of(args, outputs)`` builds the signature key."""
         ring = self.ring
         trying = bool(ring) and (self.misses < 8 or self._probe())
-        stale = None  # a ring entry whose guard refused a call that matched everything else
         if trying:
             last = self.last
             try:
@@ -272,7 +271,6 @@ class _Validated(dict):
                                 except AttributeError:  # None where the signature has a tensor
                                     continue
                             if not guard(*tensors):
-                                stale = i
                                 continue
                             self.succ[last] = i
                             self.last = i
@@ -288,14 +286,28 @@ class _Validated(dict):
             index = self.where.get(key)
             if index is None and (trying or not ring):
                 index = self._remember(key, args, outputs, value)
-            elif index is not None and index == stale:
-                # Same signature, yet the guard refused: the guard also holds the thread's dispatch-key
-                # state at its making, and that state differed (a first call made inside a dispatch
-                # mode, such as the aliasing check torch.compile runs its first call under). Make the
-                # guard again in this call's state.
-                self._remember(key, args, outputs, value, index)
+            elif index is not None and trying:
+                index = self._find_state(key, args, outputs, value)
             self._follow(index)
         return key, value
+
+    def _find_state(self, key, args, outputs, value):
+        """The ring entry of a known signature that the ring did not serve: one of its entries whose
+        guard accepts the call, else a new entry. A guard also holds the thread's dispatch-key state
+        at its making and refuses calls made in another (a first call made inside a dispatch mode, such
+        as the aliasing check torch.compile runs a compiled function's first call under; calls
+        alternating in and out of ``torch.inference_mode``), so a signature gets an entry per state,
+        each found through the successor of the previous call's."""
+        ring = self.ring
+        for i, entry in enumerate(ring):
+            if entry[7] == key:
+                try:
+                    if entry[5](*entry[1](args), *outputs):
+                        self.where[key] = i
+                        return i
+                except Exception:  # noqa: BLE001 - a changed ring or an argument the guard refuses
+                    return None
+        return self._remember(key, args, outputs, value, force=True)
 
     def _follow(self, index):
         """Record that the signature at ``index`` came after the previous call's."""
@@ -310,13 +322,13 @@ class _Validated(dict):
         self.calls += 1
         return not self.calls & 31
 
-    def _remember(self, key, args, outputs, value, index=None):
-        """Add a signature to the ring (or, with ``index``, make the guard of the entry there again); its
-        index, or None when it was not added."""
+    def _remember(self, key, args, outputs, value, force=False):
+        """Add a signature to the ring; its index, or None when it was not added (once the ring is full,
+        only every fourth signature unless ``force``)."""
         if _GUARDS is None:
             return None
         full = len(self.ring) >= _RECENT
-        if full and index is None:
+        if full and not force:
             self.skipped += 1
             if self.skipped < 4:
                 return None
@@ -330,9 +342,6 @@ class _Validated(dict):
             return None
         entry = (len(args), _pick(tensor_pos), _pick(other_pos), tuple(map(type, others)), others, guard, value, key)
         # Entries are replaced whole, never mutated, so a concurrent find() reads complete ones.
-        if index is not None:
-            self.ring[index] = entry
-            return index
         if not full:
             index = len(self.ring)
             self.ring.append(entry)
