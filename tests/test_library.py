@@ -492,7 +492,7 @@ def test_recent_signature_ring():
     assert seen.find((torch.ones(2, 4).t(), 1), (), key_of)[0] is not None
 
 
-def test_a_guard_made_in_another_dispatch_state_is_made_again():
+def test_a_signature_gets_a_ring_entry_per_dispatch_state():
     """A signature first seen inside a dispatch mode (its guard then holds that mode's dispatch-key
     state and refuses every later call made outside it) gets a ring entry made in the next call's
     state: from the call after that on, the ring serves it. Calls alternating between two states
