@@ -39,7 +39,7 @@ import os
 import torch
 
 from ..meta_kernels._formats import cache_dim
-from ._rounding import load_as_f32
+from ._rounding import e4m3_to_f32, load_as_f32
 from ._triton import tl, triton
 
 # =====================================================================================================
@@ -133,14 +133,15 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
 # Two conversions the Triton interpreter gets wrong and the GPU right: it decodes the e4m3fn NaN bytes
 # 0x7F / 0xFF as +-480 (the GPU gives NaN), and it widens bf16 subnormals to wrong float32 values. Under
 # the interpreter the decoders work around both, so the backends agree (a constexpr: the GPU code is
-# unchanged, and there a bf16 value widened and narrowed again to bf16 costs nothing).
+# unchanged, and there a bf16 value widened and narrowed again to bf16 costs nothing). The e4m3 decoder
+# takes the integer route there anyway, unless the interpreter runs on a machine with a GPU.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
 def _e4m3_to_f32(raw):
-    """float32 of uint8 e4m3fn bytes (NaN for 0x7F / 0xFF)."""
-    x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    """float32 of uint8 e4m3fn bytes (NaN for 0x7F / 0xFF); by integer operations before sm_89."""
+    x = e4m3_to_f32(raw)
     if _INTERPRETED:
         x = tl.where((raw & 0x7F) == 0x7F, float("nan"), x)
     return x

@@ -95,6 +95,23 @@ def multiprocessor_count(device: torch.device) -> int:
     return count
 
 
+_FP8_CVT: dict[int, bool] = {}
+
+
+def float8_conversions(device: torch.device) -> bool:
+    """Whether kernels for ``device`` may use Triton's float8 types: a CUDA device of compute capability
+    8.9 or later (cached). Triton refuses them on an earlier GPU (Ampere), and the kernels take float8
+    tensors there as their bytes (``uint8`` views) and convert by integer operations, as they do under
+    the interpreter (False off CUDA)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    ok = _FP8_CVT.get(index)
+    if ok is None:
+        ok = _FP8_CVT[index] = torch.cuda.get_device_capability(index) >= (8, 9)
+    return ok
+
+
 def shared_memory_per_block(device: torch.device) -> int:
     """Bytes of shared memory one thread block may use on a CUDA device (cached), or
     :data:`DEFAULT_SHARED_BYTES` off CUDA (the interpreter plans as for an sm_90 GPU)."""
@@ -407,5 +424,6 @@ class KernelLaunch:
 
 
 __all__ = ["DEFAULT_SHARED_BYTES", "HOPPER_REG_ALLOC", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch",
-           "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "hopper_ptx_options", "multiprocessor_count",
+           "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "float8_conversions", "hopper_ptx_options",
+           "multiprocessor_count",
            "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block", "wait_for_prior_grid"]

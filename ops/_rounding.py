@@ -7,12 +7,15 @@ Two routes to the same bits, chosen by each kernel's ``HW_CVT`` launch flag:
 - under the Triton interpreter, which truncates in ``.to(float8 / bfloat16)``, integer routines
   (``round_to_small_float``) that compute the rounded bit pattern from the float32 bits.
 Both equal PyTorch's round-to-nearest-even conversions, which the CPU kernels use; the tests compare
-the bytes of all three.
+the bytes of all three. A GPU before sm_89 (Ampere) has no float8 conversion instructions (and Triton
+refuses the float8 types there): the float8 conversions take the integer routines on it, decided when
+the kernel is compiled (``cuda_capability_geq``), and every other conversion stays in hardware.
+``e4m3_to_f32`` is the reverse conversion, by the same rule.
 """
 
 from __future__ import annotations
 
-from ._triton import tl, triton
+from ._triton import cuda_capability_geq, tl, triton
 
 
 @triton.jit
@@ -81,8 +84,8 @@ def clamp_keep_nan(x, bound):
 def e4m3_byte(y, HW_CVT: tl.constexpr):
     """int32 e4m3fn bits of float32 ``y`` already clamped to [-448, 448]: round to nearest even; NaN -> 0x7F.
     On the GPU the hardware conversion (round to nearest even, the same bits); under the interpreter,
-    which truncates in ``.to()``, the integer routine (``e4m3_bits``)."""
-    if HW_CVT:
+    which truncates in ``.to()``, and on a GPU before sm_89 the integer routine (``e4m3_bits``)."""
+    if HW_CVT and cuda_capability_geq(8, 9):
         bits = y.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
     else:
         bits = e4m3_bits(y)
@@ -112,13 +115,34 @@ and.b32 $0, w, t;
 def e4m3_bytes(y, HW_CVT: tl.constexpr):
     """uint8 e4m3fn bytes of float32 ``y``: round to nearest even, saturating at +-448, NaN -> 0x7F.
     On the GPU four values per conversion sequence (``F32X4_TO_E4M3X4``: the saturating hardware
-    conversion makes the clamp, and the bytes come out packed); under the interpreter the clamp and
-    the integer routine."""
-    if HW_CVT:
+    conversion makes the clamp, and the bytes come out packed); under the interpreter and on a GPU
+    before sm_89 the clamp and the integer routine."""
+    if HW_CVT and cuda_capability_geq(8, 9):
         return tl.inline_asm_elementwise(F32X4_TO_E4M3X4, "=r,r,r,r,r", [y], dtype=tl.uint8, is_pure=True,
                                          pack=4)
     else:
         return e4m3_byte(clamp_keep_nan(y, 448.0), False).to(tl.uint8)
+
+
+@triton.jit
+def e4m3_to_f16_bits(raw):
+    """float16 of e4m3fn bytes ``raw`` (uint8) by integer operations, exactly (subnormals included):
+    the sign moved to bit 15 and the exponent and mantissa bits to bits 7-13 make the float16 of the
+    value times ``2**-8``, and the product with ``2**8`` is exact. NaN (``0x7F``, ``0xFF``) -> NaN."""
+    r = raw.to(tl.int32)
+    bits = (((r & 0x80) << 8) | ((r & 0x7F) << 7)).to(tl.int16).to(tl.float16, bitcast=True)
+    return tl.where((r & 0x7F) == 0x7F, float("nan"), bits * 256.0)
+
+
+@triton.jit
+def e4m3_to_f32(raw):
+    """float32 of e4m3fn bytes ``raw`` (uint8): the hardware conversion on a GPU of sm_89 or later, else
+    (the interpreter, an Ampere GPU) ``e4m3_to_f16_bits``. NaN (``0x7F``, ``0xFF``) -> NaN on both."""
+    if cuda_capability_geq(8, 9):
+        x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        x = e4m3_to_f16_bits(raw).to(tl.float32)
+    return x
 
 
 @triton.jit

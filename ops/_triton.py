@@ -40,6 +40,15 @@ except ImportError:  # pragma: no cover - exercised only where Triton is absent
     triton = _TritonStandIn()
     tl = _LanguageStandIn()
 
+# ``cuda_capability_geq(major, minor)`` inside a kernel: whether the GPU it is compiled for has at least
+# that compute capability, decided at compile time (Triton 3.5 and later; False under the interpreter
+# on a machine without a GPU). The kernels use it to choose integer routines for the float8 conversions
+# a GPU before sm_89 lacks.
+try:
+    from triton.language.target_info import cuda_capability_geq
+except ImportError:  # pragma: no cover - no Triton, or one older than the package supports
+    cuda_capability_geq = None
+
 
 def release(version: str) -> tuple[int, int] | None:
     """``(major, minor)`` of a Triton version string ("3.8.0", "3.6.0+git1a2b3c"), or None where it has
@@ -51,4 +60,4 @@ def release(version: str) -> tuple[int, int] | None:
     return major, minor
 
 
-__all__ = ["HAS_TRITON", "release", "triton", "tl"]
+__all__ = ["HAS_TRITON", "cuda_capability_geq", "release", "triton", "tl"]

@@ -49,14 +49,14 @@ from ..meta_kernels.sparse_gqa import (
     kv_heads,
 )
 from ._formats import e2m1_reencode_ptx, e4m3_to_float32, written_slots
-from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, multiprocessor_count, next_pow2, prev_pow2,
-                      scratch, wait_for_prior_grid)
-from ._rounding import load_as_f32
+from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, float8_conversions, multiprocessor_count,
+                      next_pow2, prev_pow2, scratch, wait_for_prior_grid)
+from ._rounding import e4m3_to_f16_bits, e4m3_to_f32, load_as_f32
 from ._rounding import clamp_keep_nan as _clamp_keep_nan
 from ._rounding import e4m3_byte as _e4m3_byte
 from ._rounding import e4m3_bytes as _e4m3_bytes
 from ._rounding import half_bits as _half_bits
-from ._triton import tl, triton
+from ._triton import cuda_capability_geq, tl, triton
 from . import sparse_gqa_hopper as hopper
 
 E4M3_MAX = 448.0
@@ -290,6 +290,18 @@ def _dot(a, b, acc, DOT: tl.constexpr):
 
 
 @triton.jit
+def _values(x):
+    """Loaded query or cache values as a float type: float8 that arrives as its bytes (``uint8``: a GPU
+    before sm_89, where Triton has no float8 type, and the interpreter) is decoded to float16 by
+    integer operations (exact); other dtypes pass unchanged."""
+    if x.dtype == tl.uint8:
+        y = e4m3_to_f16_bits(x)
+    else:
+        y = x
+    return y
+
+
+@triton.jit
 def _to_dot(x, DOT: tl.constexpr):
     """-> the tl.dot operand dtype."""
     if DOT == 0:
@@ -344,12 +356,12 @@ def _nvfp4_scales(scale_bytes, x64, USE_ASM: tl.constexpr):
     """The e4m3 scale bytes as the factors of ``_nvfp4_tile``: float16 ``scale * 64`` with the inline
     decoder (its values carry 2**-6; exact, at most 448 * 64), float32 ``scale`` otherwise. ``x64`` is 64.0
     as a float16 run-time value: the product with it keeps the compiler from moving the layout change of
-    the MMA operand before the decoding (which would shuffle bytes instead of using whole words)."""
-    scale = scale_bytes.to(tl.float8e4nv, bitcast=True)
-    if USE_ASM:
-        return scale.to(tl.float16) * x64
+    the MMA operand before the decoding (which would shuffle bytes instead of using whole words). Before
+    sm_89 (no float8 conversions) the plain path serves the GPU too."""
+    if USE_ASM and cuda_capability_geq(8, 9):
+        return scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * x64
     else:
-        return scale.to(tl.float32)
+        return e4m3_to_f32(scale_bytes)
 
 
 @triton.jit
@@ -358,7 +370,7 @@ def _nvfp4_tile(data, factors, USE_ASM: tl.constexpr):
     ``e2m1 * e4m3(scale)`` (exact in float16: at most 6 * 448, and a multiple of 2**-10), from the data
     bytes (uint8, byte ``i`` of a key in the last dimension) and ``factors`` (``_nvfp4_scales`` broadcast
     to ``data``'s shape: byte ``i`` takes scale ``i // 8``)."""
-    if USE_ASM:
+    if USE_ASM and cuda_capability_geq(8, 9):
         lo, hi = _e2m1_x64_asm(data)
     else:
         d = data.to(tl.int32)
@@ -407,7 +419,7 @@ def _sparse_gqa_decode_kernel(
     Q_POW2: tl.constexpr,  # scale each query row by a power of two into the float16 range (bf16 q, fp16 dot)
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,  # write float32 partials for the combine kernel instead of the output
-    USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (GPU); the plain path runs in the interpreter
+    USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (GPU; from sm_89, see _nvfp4_tile); plain otherwise
 ):
     # One program: row t, KV head g, a block of that head's query group, one split of the page list.
     # Each selected page is read once and serves every query head of the block. The tile products take
@@ -457,8 +469,8 @@ def _sparse_gqa_decode_kernel(
         HALF: tl.constexpr = HEAD_DIM // 2
         c = tl.arange(0, HALF).to(tl.int64)
         dims = tl.arange(0, HEAD_DIM).to(tl.int64)
-        q_full = tl.load(q_rows + dims[None, :] * stride_q_d, mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :],
-                         other=0.0).to(tl.float32)
+        q_full = _values(tl.load(q_rows + dims[None, :] * stride_q_d,
+                                 mask=row_ok[:, None] & (dims < HEAD_DIM)[None, :], other=0.0)).to(tl.float32)
         q_even, q_odd = tl.split(tl.reshape(q_full, [BLOCK_H, HALF, 2]))
         if Q_POW2:
             up, down = _pow2_row_scale(tl.maximum(tl.max(tl.abs(q_even), 1), tl.max(tl.abs(q_odd), 1)))
@@ -470,7 +482,7 @@ def _sparse_gqa_decode_kernel(
         d = tl.arange(0, BLOCK_D)
         d_ok = d < HEAD_DIM
         q_mask = row_ok[:, None] & d_ok[None, :]
-        q = tl.load(q_rows + d.to(tl.int64)[None, :] * stride_q_d, mask=q_mask, other=0.0).to(tl.float32)
+        q = _values(tl.load(q_rows + d.to(tl.int64)[None, :] * stride_q_d, mask=q_mask, other=0.0)).to(tl.float32)
         if Q_POW2:
             up, down = _pow2_row_scale(tl.max(tl.abs(q), 1))
             q = q * up[:, None]
@@ -545,7 +557,7 @@ def _sparse_gqa_decode_kernel(
             else:
                 row = kv_ptr + p_phys * stride_kv_p + g * stride_kv_h + o.to(tl.int64) * stride_kv_o
                 kv_mask = key_ok[:, None] & d_ok[None, :]
-                k = _to_dot(tl.load(row[:, None] + d[None, :], mask=kv_mask, other=0.0), DOT)
+                k = _to_dot(_values(tl.load(row[:, None] + d[None, :], mask=kv_mask, other=0.0)), DOT)
                 s = _dot(k, q_t, tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32), DOT)
 
             s = tl.minimum(tl.maximum(s * qk[None, :], -FLT_MAX), FLT_MAX)  # base-2 logits, saturated
@@ -576,7 +588,7 @@ def _sparse_gqa_decode_kernel(
                 acc_even = tl.dot(tl.trans(v_even), p16, acc_even * alpha[None, :])
                 acc_odd = tl.dot(tl.trans(v_odd), p16, acc_odd * alpha[None, :])
             else:
-                v = tl.load(row[:, None] + HEAD_DIM + d[None, :], mask=kv_mask, other=0.0)
+                v = _values(tl.load(row[:, None] + HEAD_DIM + d[None, :], mask=kv_mask, other=0.0))
                 if DOT == 0:
                     # The product keeps the float8 -> float16 conversion in registers, before the tile goes
                     # through shared memory as float16 (else the compiler converts after, with byte loads).
@@ -611,7 +623,7 @@ def _sparse_gqa_decode_kernel(
             key_ok = o < p_keys  # keys past the row's limit are never read; a masked-off tile moves no memory
             row = kv_ptr + p_phys * stride_kv_p + g * stride_kv_h + o.to(tl.int64) * stride_kv_o  # [W, KPW]
             kv_mask = key_ok[:, :, None] & d_ok[None, None, :]
-            k = _to_dot(tl.load(row[:, :, None] + d[None, None, :], mask=kv_mask, other=0.0), DOT)
+            k = _to_dot(_values(tl.load(row[:, :, None] + d[None, None, :], mask=kv_mask, other=0.0)), DOT)
             s = _dot(q, tl.permute(k, (0, 2, 1)), tl.zeros([W, BLOCK_H, KPW], dtype=tl.float32), DOT)
 
             s = tl.minimum(tl.maximum(s * qk3, -FLT_MAX), FLT_MAX)  # base-2 logits, saturated
@@ -623,7 +635,7 @@ def _sparse_gqa_decode_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=2)
             m_i = m_new
 
-            v = tl.load(row[:, :, None] + HEAD_DIM + d[None, None, :], mask=kv_mask, other=0.0)
+            v = _values(tl.load(row[:, :, None] + HEAD_DIM + d[None, None, :], mask=kv_mask, other=0.0))
             if DOT == 0:
                 v = v.to(tl.float16) * one_dot  # see the transposed loop
             else:
@@ -833,10 +845,17 @@ def pages_per_split(n_sel: int, plan: LaunchPlan) -> int:
     return max(cdiv(n_sel, plan.num_splits), 1)
 
 
+def float8_as_bytes(t: torch.Tensor) -> bool:
+    """Whether the portable decode kernel takes the float8 tensor ``t`` (the query or a value cache) as
+    its bytes: where Triton has no float8 type for its device (``_launch.float8_conversions``)."""
+    return t.dtype == torch.float8_e4m3fn and not float8_conversions(t.device)
+
+
 def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, decode_query_len,
                    qk_scale, v_scale, has_k_scale, has_v_scale, out, plan: LaunchPlan):
     """The kernel launches of one plan. Tensor arguments, in order: q, kv_cache, topk_pages, block_table,
-    kv_segment_lens, qo_offset, k scale, v scale, out, workspace (``out`` stands in for absent ones)."""
+    kv_segment_lens, qo_offset, k scale, v scale, out, workspace (``out`` stands in for absent ones); a
+    float8 query or cache as its ``uint8`` view where :func:`float8_as_bytes` holds."""
     num_tokens, num_q_heads, head_dim = q.shape
     nvfp4 = is_nvfp4(kv_cache)
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
@@ -849,8 +868,9 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
     block_d = max(next_pow2(head_dim), 16)
     dot = _dot_dtype(q.dtype, kv_cache)
     args = (
-        q, q.stride(0), q.stride(1), q.stride(2),
-        kv_cache, kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        q.view(torch.uint8) if float8_as_bytes(q) else q, q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.view(torch.uint8) if float8_as_bytes(kv_cache) else kv_cache,
+        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
         topk_pages, topk_pages.stride(0), topk_pages.stride(1), topk_pages.stride(2),
         block_table, block_table.stride(0), block_table.stride(1),
         kv_segment_lens, kv_segment_lens.stride(0),
@@ -940,10 +960,16 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
             launches = _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
                                       decode_query_len, qk_scale, v_scale, has_k, has_v, out, plan)
         ws_numel = q.shape[0] * q.shape[1] * plan.num_splits * (2 + q.shape[2]) if plan.num_splits > 1 else 0
-        entry = _PLANS.put(key, (ws_numel, *launches))
-    ws_numel, main, combine = entry
+        as_bytes = (float8_as_bytes(q), float8_as_bytes(kv_cache))
+        entry = _PLANS.put(key, (ws_numel, *launches, as_bytes if any(as_bytes) and not use_hopper else None))
+    ws_numel, main, combine, as_bytes = entry
     ks = k_scale_tensor if has_k else out
     vs = v_scale_tensor if has_v else out
+    if as_bytes is not None:  # float8 as bytes (see _make_launches)
+        if as_bytes[0]:
+            q = q.view(torch.uint8)
+        if as_bytes[1]:
+            kv_cache = kv_cache.view(torch.uint8)
     if combine is None:
         main(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, ks, vs, out, out)
         return
@@ -1158,7 +1184,7 @@ def _nvfp4_write(x_lo, x_hi, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDE
         scale_y = _div_rn(amax, six_s)
     scale_y = _clamp_keep_nan(scale_y, 448.0)
     scale_bits = _e4m3_byte(scale_y, HW_CVT)  # NaN -> 0x7F
-    scale = scale_bits.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)  # exact (but for NaN)
+    scale = e4m3_to_f32(scale_bits.to(tl.uint8))  # exact
     d = (scale * s)[:, :, None]  # [BLOCK_R, 8, 1]
     # A zero or NaN scale (a NaN group, or a NaN scale tensor): every code of the group is 0. Told from
     # the bits: the interpreter decodes the e4m3 NaN as 480.

@@ -1,8 +1,8 @@
-"""Compile the library's Triton kernels for sm_90 without a GPU, check their address arithmetic and
-report their resources.
+"""Compile the library's Triton kernels for sm_90 (or another GPU) without a GPU, check their address
+arithmetic and report their resources.
 
     python scripts/compile_sm90.py [--ttir-only] [--check-offsets] [--check-load-chains] [--check-stores-last]
-                                   [--cases NAME ...] [--list]
+                                   [--cases NAME ...] [--list] [--arch 90]
 
 The launchers (``ops/*_triton``) run on small CPU tensors with a stand-in Triton driver whose target is
 sm_90: every ``KernelLaunch`` compiles its kernel exactly as the JIT would on an H100/H200 (same
@@ -10,6 +10,11 @@ signature, same integer and alignment specialisation, and the flags a launcher s
 device, ``_GPU_ONLY_FLAGS``, as for CUDA tensors) and launches nothing. Per kernel it prints the
 registers and spills (``ptxas -v``) and the shared memory the launch asks for (against the 232,448
 bytes an sm_90 block may use).
+
+``--arch N`` compiles for sm_N instead (80 for an A100, 86, 89, 100, 120): the portable kernels a GPU
+other than sm_90 runs, with the float8 choice the launchers make for it (``float8_conversions``: before
+sm_89 float8 tensors reach the kernels as bytes and convert by integer operations). Exit status 1
+when a kernel does not compile.
 
 ``--check-load-chains`` checks that in the cache writers (``LOADS_FIRST``) no load waits for another:
 no ``tt.load``'s pointer, mask or default derives from a value loaded from memory, so every load is
@@ -54,6 +59,8 @@ SM90_MAX_SHARED = 232_448  # bytes of shared memory an sm_90 thread block may us
 class _OfflineDriver:
     """What the Triton JIT asks of the driver before it compiles; nothing here touches a GPU."""
 
+    arch = 90  # the compute capability compiled for (``--arch``)
+
     def get_current_device(self):
         return 0
 
@@ -61,7 +68,7 @@ class _OfflineDriver:
         return 0
 
     def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
+        return GPUTarget("cuda", self.arch, 32)
 
     def get_active_torch_device(self):
         return torch.device("cpu")
@@ -108,6 +115,9 @@ _CASE = ["?"]
 _GPU_ONLY_FLAGS = ("USE_ASM", "HW_CVT")  # meta a launcher sets from the tensors' device: True on a GPU
 
 
+FAILED: list[tuple[str, str, str]] = []  # (case, kernel name, error)
+
+
 def _record(self, args):
     name = self.kernel.fn.__name__
     meta = {k: (True if k in _GPU_ONLY_FLAGS else v) for k, v in self.meta.items()}  # as for CUDA tensors
@@ -116,10 +126,15 @@ def _record(self, args):
         COMPILED.append((_CASE[0], name, compiled))
     except _StopAfterTTIR as stop:
         COMPILED.append((_CASE[0], name, stop.ttir))
+    except Exception as exc:  # noqa: BLE001 - reported with the others, exit status 1
+        lines = [line for line in str(exc.__cause__ or exc).splitlines() if line.strip()]
+        FAILED.append((_CASE[0], name, f"{type(exc).__name__}: {lines[-1][:300] if lines else ''}"))
     return None
 
 
 _launch.KernelLaunch._jit_launch_here = _record
+# the launchers' float8 choice for the target, not for the CPU tensors the cases pass
+_launch.float8_conversions = gqa_ops.float8_conversions = lambda device: _OfflineDriver.arch >= 89
 
 
 # =====================================================================================================
@@ -205,6 +220,13 @@ def case_sparse_mla():
     _mla("fp8_656", dv=448)
 
 
+def case_sparse_mla_fp8():
+    """The float8 formats alone (what a GPU before sm_89 decodes by integer operations), one call each
+    with a split and an extra list."""
+    for kv_format in ("fp8_656", "fp8_584"):
+        _mla(kv_format, dtype=BF16, k2=24, num_splits=2)
+
+
 def case_sparse_mla_model():
     """The DeepSeek decode shapes with contiguous tensors, as the benchmark runs them."""
     for kv_format in ("fp8_656", "fp8_584"):
@@ -222,14 +244,18 @@ def case_sparse_mla_large_dims():
 
 def case_sparse_gqa():
     t, hq, hkv, dh, ps = 3, 8, 2, 128, 16
-    for q_dtype, kv_dtype in ((BF16, BF16), (F16, torch.float8_e4m3fn)):
+    fp8 = torch.float8_e4m3fn
+    for q_dtype, kv_dtype in ((BF16, BF16), (F16, fp8), (fp8, fp8), (BF16, torch.uint8), (fp8, torch.uint8)):
         q = torch.zeros(dh, hq, t).to(q_dtype).permute(2, 1, 0)
-        cache = torch.zeros(4, ps, hkv, 2 * dh).to(kv_dtype).permute(0, 2, 1, 3)
+        if kv_dtype == torch.uint8:  # NVFP4: [pages, 2 Hkv, page_size, 72]
+            cache = torch.zeros(4, 2 * hkv, ps, 72, dtype=torch.uint8)
+        else:
+            cache = torch.zeros(4, ps, hkv, 2 * dh).to(kv_dtype).permute(0, 2, 1, 3)
         topk = torch.zeros(t, hkv, 3, dtype=I32)
         bt = _strided((t, 4), I32)
         lens = torch.zeros(t, dtype=I32)
         for num_splits in (1, 2):
-            out = torch.empty(dh, hq, t, dtype=BF16 if q_dtype == BF16 else F16).permute(2, 1, 0)
+            out = torch.empty(dh, hq, t, dtype=F16 if q_dtype == F16 else BF16).permute(2, 1, 0)
             gqa_ops.sparse_gqa_decode_triton(q, cache, topk, bt, lens, lens, 1, 0.1, 1.0, 1.0, 1.0, out=out,
                                              num_splits=num_splits)
     k = _strided((5, hkv, dh), BF16)
@@ -242,6 +268,7 @@ CASES = {
     "metadata": case_metadata,
     "kv_cache": case_kv_cache,
     "sparse_mla": case_sparse_mla,
+    "sparse_mla_fp8": case_sparse_mla_fp8,
     "sparse_mla_model": case_sparse_mla_model,
     "sparse_mla_large_dims": case_sparse_mla_large_dims,
     "sparse_gqa": case_sparse_gqa,
@@ -386,14 +413,16 @@ def load_chains(ttir: str) -> list[str]:
 def _ptxas_usage(ptx: str) -> tuple[int, int]:
     from triton.backends.nvidia.compiler import get_ptxas
 
+    arch = _OfflineDriver.arch
     try:
-        ptxas = get_ptxas(90).path  # triton 3.7
+        ptxas = get_ptxas(arch).path  # triton 3.7
     except TypeError:
         ptxas = get_ptxas().path  # triton 3.6
     with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
         f.write(ptx)
     try:
-        out = subprocess.run([ptxas, "-v", "--gpu-name=sm_90a", f.name, "-o", os.devnull],
+        gpu = f"sm_{arch}a" if arch in (90, 100) else f"sm_{arch}"
+        out = subprocess.run([ptxas, "-v", f"--gpu-name={gpu}", f.name, "-o", os.devnull],
                              capture_output=True, text=True).stderr
     finally:
         os.unlink(f.name)
@@ -425,8 +454,10 @@ def main(argv=None) -> int:
     parser.add_argument("--check-stores-last", action="store_true",
                         help="exit 1 if a load of a metadata kernel or cache writer follows a store")
     parser.add_argument("--list", action="store_true", help="print each kernel's offending lines")
+    parser.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (default 90)")
     args = parser.parse_args(argv)
     _ttir_only(args.ttir_only)
+    _OfflineDriver.arch = args.arch
 
     for case in args.cases:
         _CASE[0] = case
@@ -449,9 +480,11 @@ def main(argv=None) -> int:
             continue
         regs, spill = _ptxas_usage(compiled.asm["ptx"])
         shared = compiled.metadata.shared
-        flag = "  > sm_90 limit" if shared > SM90_MAX_SHARED else ""
+        flag = "  > sm_90 limit" if args.arch == 90 and shared > SM90_MAX_SHARED else ""
         print(f"{case:<22} {name:<36} {regs:>5} {spill:>8} {shared:>9}{flag}")
-    print(f"{len(COMPILED)} launches compiled for sm_90 (triton {triton.__version__})")
+    print(f"{len(COMPILED)} launches compiled for sm_{args.arch} (triton {triton.__version__})")
+    for case, name, error in FAILED:
+        print(f"does not compile: {case} {name}: {error}")
     _report(failures, "offset rule broken in {} kernel(s):", "32-bit product(s) reach an address", args.list)
     _report(chains, "a load waits for another in {} cache writer(s):", "load(s) behind a loaded value", args.list)
     if args.check_load_chains:
@@ -461,7 +494,7 @@ def main(argv=None) -> int:
     if args.check_stores_last:
         checked = sum(1 for _, name, _ in COMPILED if name in STORES_LAST)
         print(f"{checked} launches checked for loads after stores")
-    return 1 if failures or chains or late else 0
+    return 1 if failures or chains or late or FAILED else 0
 
 
 if __name__ == "__main__":

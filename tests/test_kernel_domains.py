@@ -22,13 +22,14 @@ examples a time-limited run got through.
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import HAS_CUDA, INTERPRETER, examples, requires_hopper
+from common import HAS_CUDA, INTERPRETER, examples, requires_hopper, run_offline_compile
 from test_sparse_gqa import FP8, NVFP4, Cfg, _out_buffer, assert_matches_reference
 from test_sparse_gqa import make_inputs as gqa_inputs
 from test_sparse_mla import _HEAD_FORMS, Spec, _outputs_like, _positional, _to_device, assert_matches
@@ -279,3 +280,20 @@ def test_layout_supported_refuses_what_the_hopper_kernels_cannot_serve():
     assert not mla(q, strided((8, 64, 576), (64 * 576 + 4, 576, 1), BF16), "auto", 512, None)  # page stride
     assert not mla(q, torch.zeros(8, 64, 580, dtype=BF16)[..., :576], "auto", 512, None)  # row stride
     assert not mla(q, cache, "fp8_656", 512, shifted((8, 64, 656), torch.uint8, 2))  # the extra cache's base
+
+
+def test_portable_kernels_compile_before_sm89():
+    """Without a GPU: every portable kernel that reads or writes float8 (the cache writers and gathers,
+    the sparse-GQA decode over float8 and NVFP4 caches and float8 queries, the sparse-MLA decode over
+    both float8 formats) compiles for sm_80, where Triton has no float8 type and no float8 conversion
+    instruction exists (``scripts/compile_sm90.py --arch 80``: each launch as the launchers plan it for
+    such a GPU, through ``ptxas``). Before the integer routes they failed to compile there."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    result = run_offline_compile("compile_sm90.py", "--arch", "80", "--cases", "kv_cache", "sparse_gqa",
+                                 "sparse_mla_fp8")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    compiled = re.search(r"^(\d+) launches compiled for sm_80", result.stdout, re.M)
+    assert compiled and int(compiled.group(1)) >= 30, result.stdout[-2000:]
+    kernels = set(re.findall(r"^\w+\s+(_\w+_kernel)\s", result.stdout, re.M))
+    assert {"_kv_cache_insert_kernel", "_kv_cache_gather_kernel", "_sparse_gqa_decode_kernel",
+            "_gqa_kv_cache_insert_kernel", "_sparse_mla_decode_kernel"} <= kernels, kernels

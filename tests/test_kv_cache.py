@@ -17,6 +17,8 @@ import formats_reference as ref
 import torch_sparse_mla as tsm
 from common import assert_no_recompiles, poison, requires_cuda, requires_interpreter, set_args
 from torch_sparse_mla.ops import kv_cache as kernels
+from torch_sparse_mla.ops._rounding import e4m3_to_f16_bits, e4m3_to_f32
+from torch_sparse_mla.ops._triton import tl, triton
 
 ops = torch.ops.sparse_mla
 BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
@@ -323,6 +325,41 @@ def test_round_trip_within_e4m3_precision(kv_format):
 # =====================================================================================================
 # Triton interpreter parity (the CUDA kernels, run on CPU tensors)
 # =====================================================================================================
+
+@triton.jit
+def _decode_bytes_kernel(raw_ptr, f32_ptr, f16_ptr, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    raw = tl.load(raw_ptr + offs)
+    tl.store(f32_ptr + offs, e4m3_to_f32(raw))
+    tl.store(f16_ptr + offs, e4m3_to_f16_bits(raw))
+
+
+def check_e4m3_decoders(device):
+    """The Triton e4m3 decoders on all 256 bytes: ``e4m3_to_f16_bits`` (the integer route of a GPU
+    before sm_89 and of the interpreter) and ``e4m3_to_f32`` (the hardware conversion from sm_89 on,
+    the integer route otherwise) equal PyTorch's float8_e4m3fn conversion, subnormals, zeros of both
+    signs and both NaN bytes included."""
+    raw = torch.arange(256, dtype=torch.uint8, device=device)
+    f32 = torch.empty(256, device=device)
+    f16 = torch.empty(256, dtype=torch.float16, device=device)
+    _decode_bytes_kernel[(1,)](raw, f32, f16, N=256)
+    want = raw.cpu().view(torch.float8_e4m3fn).float()
+    assert want.isnan().sum() == 2
+    for got in (f32.cpu(), f16.cpu().float()):
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+        number = ~want.isnan()  # the sign of every number, zeros included (a NaN's sign means nothing)
+        assert torch.equal(got[number].view(torch.int32) >> 31, want[number].view(torch.int32) >> 31)
+
+
+@requires_interpreter
+def test_interpreter_e4m3_decoders_every_byte():
+    check_e4m3_decoders("cpu")
+
+
+@requires_cuda
+def test_cuda_e4m3_decoders_every_byte():
+    check_e4m3_decoders("cuda")
+
 
 INTERPRETER_INSERT_CASES = {
     # name: (kv_format, layout, kv dtype, auto cache dtype)

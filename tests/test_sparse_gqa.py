@@ -841,6 +841,26 @@ def test_triton_interpreter_matches_reference(cfg, num_splits):
 
 
 @requires_interpreter
+@pytest.mark.parametrize("typed", [False, True], ids=["as_bytes", "typed"])
+def test_triton_interpreter_float8_as_bytes_or_typed(typed, monkeypatch):
+    """A float8 query and cache reach the portable kernel as their bytes (``uint8`` views, converted by
+    integer operations) where Triton has no float8 type for the device (before sm_89; the interpreter),
+    else typed (sm_89 and later, forced here): both give the reference's result, and the plan records
+    the choice. Under the interpreter the e4m3 conversions take the integer route either way (decided
+    when the kernel is compiled), so the typed run tests the launcher's choice and the typed loads."""
+    monkeypatch.setattr(gqa_ops, "float8_conversions", lambda device: typed)
+    monkeypatch.setattr(gqa_ops, "_PLANS", gqa_ops.PlanCache())
+    args, _ = make_inputs(INTERPRETER_CASES[1], seed=9)
+    assert args["q"].dtype == args["kv_cache"].dtype == FP8
+    out = _out_buffer(args)
+    gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=2, path="portable")
+    (_, main, _, as_bytes), = gqa_ops._PLANS.values()
+    assert as_bytes == (None if typed else (True, True))
+    assert main.kernel.fn.__name__ == "_sparse_gqa_decode_kernel"
+    assert_matches_reference(out, args)
+
+
+@requires_interpreter
 @pytest.mark.parametrize("cfg", INTERPRETER_CASES[:2], ids=lambda c: c.id)
 def test_triton_interpreter_combine_in_steps(cfg, monkeypatch):
     """The split combine merges the partials in one round of loads when every split fits one step
@@ -852,7 +872,7 @@ def test_triton_interpreter_combine_in_steps(cfg, monkeypatch):
         gqa_ops._PLANS.clear()
         out = _out_buffer(args)
         gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=6, path="portable")
-        (_, _, combine), = gqa_ops._PLANS.values()
+        (_, _, combine, _), = gqa_ops._PLANS.values()
         gqa_ops._PLANS.clear()
         assert (combine.meta["BLOCK_S"] == combine.meta["BLOCK_SM"]) is one_step
         assert_matches_reference(out, args)
