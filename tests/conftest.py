@@ -6,6 +6,7 @@ GPU machine the kernels compile for the GPU and the interpreter tests are skippe
 """
 
 import os
+import warnings
 
 import pytest
 import torch
@@ -17,20 +18,22 @@ if not torch.cuda.is_available():
 def _mend_interpreter_scalar_index() -> bool:
     """Triton 3.6's interpreter turns a scalar kernel argument used as a Python index (the bound of a
     ``range`` loop) into an ``int`` with ``int(array)`` on a one-element NumPy array, which NumPy 2.4
-    refuses (a ``TypeError``; 1.25-2.3 only warn), so every interpreted kernel with such a loop fails
-    there. Triton 3.7 squeezes the array first; this gives the interpreter that conversion (on 3.7 the
-    one it has already), for the tests only. Returns whether it was applied: only under the
-    interpreter, with a NumPy that refuses the conversion and a Triton that has the function it
-    wraps."""
+    refuses (a ``TypeError``; 1.25-2.3 warn, once per conversion: about 2,000 warnings in a run of the
+    suite), so every interpreted kernel with such a loop fails there. Triton 3.7 squeezes the array
+    first; this gives the interpreter that conversion (on 3.7 the one it has already), for the tests
+    only. Returns whether it was applied: only under the interpreter, with a NumPy that refuses or
+    deprecates the conversion and a Triton that has the function it wraps."""
     if os.environ.get("TRITON_INTERPRET") != "1":
         return False
     import numpy as np
 
-    try:
-        int(np.array([1]))
-        return False  # this NumPy still converts a one-element array
-    except TypeError:
-        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        try:
+            int(np.array([1]))
+            return False  # this NumPy still converts a one-element array without a word
+        except (TypeError, DeprecationWarning):
+            pass
     try:
         from triton.runtime import interpreter
     except ImportError:
