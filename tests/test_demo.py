@@ -37,6 +37,21 @@ def test_demo_main_path(capsys):
     assert out.rstrip().splitlines()[-1].startswith("OK")
 
 
+def test_demo_compiles_the_plain_steps_only_where_inductor_can(monkeypatch):
+    """By default the plain-PyTorch steps are compiled on a GPU of compute capability 8.9 or later
+    only: before sm_89 inductor cannot compile their float8 casts (pytorch/pytorch#167082), and on a
+    CPU the build takes minutes. Capabilities stand in for GPUs (no GPU is needed)."""
+    from torch_sparse_mla.demo.__main__ import default_compile_plain
+
+    assert default_compile_plain(torch.device("cpu"))[0] is False
+    for capability, compiled in (((8, 0), False), ((8, 6), False), ((8, 9), True), ((9, 0), True),
+                                 ((10, 0), True), ((12, 0), True)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None, c=capability: c)
+        decided, why_not = default_compile_plain(torch.device("cuda", 0))
+        assert decided is compiled, capability
+        assert ("167082" in why_not) is not compiled
+
+
 def test_readme_usage_snippet_runs(capsys):
     (snippet,) = _python_blocks(ROOT / "README.md", after="## Usage")[:1]
     exec(compile(snippet, "README.md (Usage)", "exec"), {})

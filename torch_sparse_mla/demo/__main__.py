@@ -37,9 +37,24 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, help="calls per timing loop (default: 50 on a GPU, 2 on a CPU)")
     p.add_argument("--only", choices=("v4", "m3"), help="run one of the two steps")
     p.add_argument("--compile-plain", action=argparse.BooleanOptionalAction, default=None,
-                   help="compile the plain-PyTorch steps too (default: on a GPU; on a CPU inductor's C++ build of "
-                        "them takes minutes)")
+                   help="compile the plain-PyTorch steps too (default: on a GPU of compute capability 8.9 or later; "
+                        "on a CPU inductor's C++ build of them takes minutes, and before sm_89 inductor cannot "
+                        "compile their float8 code)")
     return p
+
+
+def default_compile_plain(device: torch.device) -> tuple[bool, str]:
+    """Whether the plain-PyTorch steps are compiled when ``--compile-plain`` is not given, and why not.
+    Their float8 casts compile to Triton's float8 types, which Triton refuses before sm_89 (an A100):
+    inductor then fails (pytorch/pytorch#167082), where the library's steps, whose float8 work is in
+    its own operators, compile."""
+    if device.type != "cuda":
+        return False, "on a CPU inductor's C++ build of them takes minutes"
+    major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < (8, 9):
+        return False, (f"inductor cannot compile their float8 code on this sm_{major}{minor} GPU "
+                       "(pytorch/pytorch#167082)")
+    return True, ""
 
 
 def main(argv=None) -> int:
@@ -52,7 +67,9 @@ def main(argv=None) -> int:
     batch = args.batch_size or batch
     context = args.context_len or context
     iters = args.iters or (50 if device.type == "cuda" else 2)
-    compile_plain = device.type == "cuda" if args.compile_plain is None else args.compile_plain
+    compile_plain, why_not = default_compile_plain(device)
+    if args.compile_plain is not None:
+        compile_plain = args.compile_plain
     ratios = tuple(int(r) for r in args.v4_layers.split(","))
     if any(r not in (1, 4, 128) for r in ratios):
         print(f"torch_sparse_mla.demo: --v4-layers takes 1, 4 or 128 per layer, got {args.v4_layers}", file=sys.stderr)
@@ -69,6 +86,8 @@ def main(argv=None) -> int:
         # inductor builds C++ kernels: true, and irrelevant to a CPU run.
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
     say(f"torch_sparse_mla demo on {where}; torch {torch.__version__}, triton {triton.__version__}")
+    if device.type == "cuda" and not compile_plain and args.compile_plain is None:
+        say(f"the plain-PyTorch steps run eagerly: {why_not}; --compile-plain compiles them anyway")
     start = time.perf_counter()
     tables = []
     if args.only in (None, "v4"):
