@@ -425,5 +425,5 @@ class KernelLaunch:
 
 __all__ = ["DEFAULT_SHARED_BYTES", "HOPPER_REG_ALLOC", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch",
            "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "float8_conversions", "hopper_ptx_options",
-           "multiprocessor_count",
-           "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block", "wait_for_prior_grid"]
+           "multiprocessor_count", "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block",
+           "wait_for_prior_grid"]
