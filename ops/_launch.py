@@ -305,7 +305,9 @@ class KernelLaunch:
     then pass a tensor of another dtype of the same element size (a bf16 tensor where the plan was
     made with its int16 view), which the kernel reads as the planned dtype, without the cost of a
     ``view`` per call. Without it, the tensors of ``args`` may be placeholders (``out`` standing in
-    for an absent optional tensor) and every call's tensors are passed as they are.
+    for an absent optional tensor) and every call's tensors are passed as they are. ``reinterpret``
+    may also be a tuple of positions in ``args``: only those tensors' dtypes are kept (a float8 tensor
+    planned as its ``uint8`` view beside placeholders).
 
     ``aligned``: positions in ``args`` of tensors the kernel only serves 16-byte aligned (the Hopper
     kernels' ``cp.async`` cache-row copies do not compile for a base the JIT cannot prove aligned).
@@ -319,7 +321,7 @@ class KernelLaunch:
                  "needs")
 
     def __init__(self, kernel, grid, args: tuple, meta: dict, *, num_warps: int, num_stages: int | None = None,
-                 device: torch.device, reinterpret: bool = False, maxnreg: int | None = None,
+                 device: torch.device, reinterpret: bool | tuple[int, ...] = False, maxnreg: int | None = None,
                  launch_pdl: bool = False, aligned: tuple[int, ...] = (), ptx_options: str | None = None):
         self.kernel = kernel
         self.grid = tuple(grid) + (1,) * (3 - len(grid))
@@ -338,7 +340,12 @@ class KernelLaunch:
         self.tensor_pos = tuple(i for i, a in enumerate(args) if isinstance(a, torch.Tensor))
         # the alignment bits (below: one per tensor, the first tensor's the highest) that must be set
         self.needs = sum(1 << (len(self.tensor_pos) - 1 - self.tensor_pos.index(i)) for i in set(aligned))
-        self.dtypes = tuple(args[i].dtype for i in self.tensor_pos) if reinterpret else None
+        if reinterpret is True:
+            self.dtypes = tuple(args[i].dtype for i in self.tensor_pos)
+        elif reinterpret:
+            self.dtypes = tuple(args[i].dtype if i in reinterpret else None for i in self.tensor_pos)
+        else:
+            self.dtypes = None
         template = [None if isinstance(a, torch.Tensor) else a for a in args]
         names = getattr(kernel, "arg_names", None)
         if names is not None:  # the shortcut passes every parameter, constexprs included, in order
@@ -393,7 +400,7 @@ class KernelLaunch:
                 args[i] = t
         else:
             for i, t, dtype in zip(self.tensor_pos, tensors, self.dtypes):
-                args[i] = t if t.dtype == dtype else t.view(dtype)
+                args[i] = t if dtype is None or t.dtype == dtype else t.view(dtype)
         return args
 
     def _launch(self, entry, args):

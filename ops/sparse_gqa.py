@@ -855,7 +855,8 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
                    qk_scale, v_scale, has_k_scale, has_v_scale, out, plan: LaunchPlan):
     """The kernel launches of one plan. Tensor arguments, in order: q, kv_cache, topk_pages, block_table,
     kv_segment_lens, qo_offset, k scale, v scale, out, workspace (``out`` stands in for absent ones); a
-    float8 query or cache as its ``uint8`` view where :func:`float8_as_bytes` holds."""
+    float8 query or cache is read as its ``uint8`` view where :func:`float8_as_bytes` holds (the launch
+    takes the tensors themselves: ``KernelLaunch(reinterpret=...)``)."""
     num_tokens, num_q_heads, head_dim = q.shape
     nvfp4 = is_nvfp4(kv_cache)
     num_pages, page_size = kv_cache.shape[0], kv_cache.shape[2]
@@ -867,10 +868,11 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
     rows = num_tokens * num_q_heads * plan.num_splits
     block_d = max(next_pow2(head_dim), 16)
     dot = _dot_dtype(q.dtype, kv_cache)
+    as_bytes = tuple(i for i, t in ((0, q), (4, kv_cache)) if float8_as_bytes(t))  # positions in args
     args = (
-        q.view(torch.uint8) if float8_as_bytes(q) else q, q.stride(0), q.stride(1), q.stride(2),
-        kv_cache.view(torch.uint8) if float8_as_bytes(kv_cache) else kv_cache,
-        kv_cache.stride(0), kv_cache.stride(1), kv_cache.stride(2),
+        q.view(torch.uint8) if 0 in as_bytes else q, q.stride(0), q.stride(1), q.stride(2),
+        kv_cache.view(torch.uint8) if 4 in as_bytes else kv_cache, kv_cache.stride(0), kv_cache.stride(1),
+        kv_cache.stride(2),
         topk_pages, topk_pages.stride(0), topk_pages.stride(1), topk_pages.stride(2),
         block_table, block_table.stride(0), block_table.stride(1),
         kv_segment_lens, kv_segment_lens.stride(0),
@@ -891,7 +893,7 @@ def _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_off
                 HAS_V_SCALE=has_v_scale, SPLIT=split, USE_ASM=q.device.type == "cuda")
     grid = (num_tokens * num_kv_heads * plan.head_blocks, plan.num_splits)
     main = KernelLaunch(_sparse_gqa_decode_kernel, grid, args, meta, num_warps=plan.num_warps,
-                        num_stages=plan.num_stages, device=q.device)
+                        num_stages=plan.num_stages, device=q.device, reinterpret=as_bytes)
     return main, _make_combine(q, out, plan, v_scale, has_v_scale) if split else None
 
 
@@ -960,16 +962,10 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
             launches = _make_launches(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset,
                                       decode_query_len, qk_scale, v_scale, has_k, has_v, out, plan)
         ws_numel = q.shape[0] * q.shape[1] * plan.num_splits * (2 + q.shape[2]) if plan.num_splits > 1 else 0
-        as_bytes = (float8_as_bytes(q), float8_as_bytes(kv_cache))
-        entry = _PLANS.put(key, (ws_numel, *launches, as_bytes if any(as_bytes) and not use_hopper else None))
-    ws_numel, main, combine, as_bytes = entry
+        entry = _PLANS.put(key, (ws_numel, *launches))
+    ws_numel, main, combine = entry
     ks = k_scale_tensor if has_k else out
     vs = v_scale_tensor if has_v else out
-    if as_bytes is not None:  # float8 as bytes (see _make_launches)
-        if as_bytes[0]:
-            q = q.view(torch.uint8)
-        if as_bytes[1]:
-            kv_cache = kv_cache.view(torch.uint8)
     if combine is None:
         main(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset, ks, vs, out, out)
         return

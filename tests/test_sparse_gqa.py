@@ -27,6 +27,7 @@ import torch
 from expecttest import assert_expected_inline
 
 from torch_sparse_mla import decode_runtime_metadata, gqa_kv_cache_insert, sparse_gqa_decode
+from torch_sparse_mla import _library
 from torch_sparse_mla.ops import sparse_gqa as gqa_ops
 from common import (REPO, check_alignment_needs, compile_counter, forget_signatures, poison, records_split_launches,
                     require_gluon, requires_cuda, requires_hopper, requires_interpreter, run_offline_compile)
@@ -845,19 +846,28 @@ def test_triton_interpreter_matches_reference(cfg, num_splits):
 def test_triton_interpreter_float8_as_bytes_or_typed(typed, monkeypatch):
     """A float8 query and cache reach the portable kernel as their bytes (``uint8`` views, converted by
     integer operations) where Triton has no float8 type for the device (before sm_89; the interpreter),
-    else typed (sm_89 and later, forced here): both give the reference's result, and the plan records
-    the choice. Under the interpreter the e4m3 conversions take the integer route either way (decided
-    when the kernel is compiled), so the typed run tests the launcher's choice and the typed loads."""
+    else typed (sm_89 and later, forced here): both give the reference's result, and the launch reads
+    the two tensors as the planned dtypes while it is called with the tensors themselves (so that the
+    record-and-replay of ``_library.py`` finds them). Under the interpreter the e4m3 conversions take
+    the integer route either way (decided when the kernel is compiled), so the typed run tests the
+    launcher's choice and the typed loads."""
     monkeypatch.setattr(gqa_ops, "float8_conversions", lambda device: typed)
     monkeypatch.setattr(gqa_ops, "_PLANS", gqa_ops.PlanCache())
     args, _ = make_inputs(INTERPRETER_CASES[1], seed=9)
     assert args["q"].dtype == args["kv_cache"].dtype == FP8
     out = _out_buffer(args)
     gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=2, path="portable")
-    (_, main, _, as_bytes), = gqa_ops._PLANS.values()
-    assert as_bytes == (None if typed else (True, True))
+    (_, main, _), = gqa_ops._PLANS.values()
     assert main.kernel.fn.__name__ == "_sparse_gqa_decode_kernel"
+    assert main.dtypes == (None if typed else (torch.uint8, torch.uint8) + (None,) * 8)
     assert_matches_reference(out, args)
+    # The launches of a call are recorded for replay (what the registered CUDA implementation does
+    # with a signature's first call): every tensor they take is one of the call's own, views included.
+    record = _library._record(gqa_ops.sparse_gqa_decode_triton, tuple(args.values()), {"out": poison(out)})
+    assert record is not None
+    replayed = _out_buffer(args)
+    assert _library._replay(record, (*args.values(), replayed))
+    torch.testing.assert_close(replayed, out, rtol=0, atol=0)
 
 
 @requires_interpreter
@@ -872,7 +882,7 @@ def test_triton_interpreter_combine_in_steps(cfg, monkeypatch):
         gqa_ops._PLANS.clear()
         out = _out_buffer(args)
         gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=6, path="portable")
-        (_, _, combine, _), = gqa_ops._PLANS.values()
+        (_, _, combine), = gqa_ops._PLANS.values()
         gqa_ops._PLANS.clear()
         assert (combine.meta["BLOCK_S"] == combine.meta["BLOCK_SM"]) is one_step
         assert_matches_reference(out, args)
@@ -900,8 +910,6 @@ def test_triton_interpreter_recorded_split_launches():
     """The ``out`` implementation registered for CUDA, through the interpreter: the first call of a
     split signature records the decode and combine launches and the workspace's size; later calls of
     the signature (new values) replay them, each with a workspace of its own, and match the reference."""
-    from torch_sparse_mla import _library
-
     impl = _library.IMPLS["sparse_gqa_decode.out", "CUDA"]
     cfg = Cfg(hq=8, hkv=1, dh=64, page_size=16, batch=1, extra_rows=0, n_sel=6)
     for seed in (1, 2, 3):
