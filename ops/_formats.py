@@ -134,17 +134,9 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
 # 0x7F / 0xFF as +-480 (the GPU gives NaN), and it widens bf16 subnormals to wrong float32 values. Under
 # the interpreter the decoders work around both, so the backends agree (a constexpr: the GPU code is
 # unchanged, and there a bf16 value widened and narrowed again to bf16 costs nothing). The e4m3 decoder
-# takes the integer route there anyway, unless the interpreter runs on a machine with a GPU.
+# (``_rounding.e4m3_to_f32``) takes the integer route there, or mends the NaN bytes where the
+# interpreter runs on a machine with a GPU.
 _INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
-
-
-@triton.jit
-def _e4m3_to_f32(raw):
-    """float32 of uint8 e4m3fn bytes (NaN for 0x7F / 0xFF); by integer operations before sm_89."""
-    x = e4m3_to_f32(raw)
-    if _INTERPRETED:
-        x = tl.where((raw & 0x7F) == 0x7F, float("nan"), x)
-    return x
 
 
 @triton.jit
@@ -217,7 +209,7 @@ def load_kv_cols(
         if COL0 < FP8_DIMS:
             fp8_mask = mask & (cols < FP8_DIMS)[None, :]
             raw = tl.load(cache_ptr + data_base[:, None] + cols[None, :], mask=fp8_mask, other=0)
-            x = _e4m3_to_f32(raw)
+            x = e4m3_to_f32(raw)
             # One scale per row for each group the tile covers, broadcast by a select per group:
             # cheaper than gathering a scale per element.
             FP8_END: tl.constexpr = FP8_DIMS if COL0 + CHUNK > FP8_DIMS else COL0 + CHUNK
@@ -282,7 +274,7 @@ def load_fp8_656_raw(
     page = slot // page_size
     row_base = page * stride_page + (slot - page * page_size) * 656
     raw = tl.load(cache_ptr + row_base[:, None] + cols[None, :], mask=valid[:, None], other=0)
-    return _e4m3_to_f32(raw)
+    return e4m3_to_f32(raw)
 
 
 @triton.jit

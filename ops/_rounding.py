@@ -15,7 +15,13 @@ the kernel is compiled (``cuda_capability_geq``), and every other conversion sta
 
 from __future__ import annotations
 
+import os
+
 from ._triton import cuda_capability_geq, tl, triton
+
+# Under the interpreter on a machine with a GPU, ``cuda_capability_geq`` answers for that GPU, and the
+# interpreter decodes the e4m3fn NaN bytes as +-480 (the GPU gives NaN): ``e4m3_to_f32`` mends that.
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
 
 
 @triton.jit
@@ -140,6 +146,8 @@ def e4m3_to_f32(raw):
     (the interpreter, an Ampere GPU) ``e4m3_to_f16_bits``. NaN (``0x7F``, ``0xFF``) -> NaN on both."""
     if cuda_capability_geq(8, 9):
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        if _INTERPRETED:
+            x = tl.where((raw & 0x7F) == 0x7F, float("nan"), x)
     else:
         x = e4m3_to_f16_bits(raw).to(tl.float32)
     return x
