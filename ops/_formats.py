@@ -34,12 +34,10 @@ writes the exponent field directly (byte 0 is the subnormal ``2**-127``, byte 25
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from ..meta_kernels._formats import cache_dim
-from ._rounding import e4m3_to_f32, load_as_f32
+from ._rounding import _INTERPRETED, e4m3_to_f32, load_as_f32
 from ._triton import tl, triton
 
 # =====================================================================================================
@@ -135,8 +133,7 @@ def dequantize_torch(kv_cache: torch.Tensor, slots: torch.Tensor, kv_format: str
 # the interpreter the decoders work around both, so the backends agree (a constexpr: the GPU code is
 # unchanged, and there a bf16 value widened and narrowed again to bf16 costs nothing). The e4m3 decoder
 # (``_rounding.e4m3_to_f32``) takes the integer route there, or mends the NaN bytes where the
-# interpreter runs on a machine with a GPU.
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET") == "1")
+# interpreter runs on a machine with a GPU. (``_INTERPRETED``: ``_rounding``'s.)
 
 
 @triton.jit

@@ -95,21 +95,24 @@ def multiprocessor_count(device: torch.device) -> int:
     return count
 
 
-_FP8_CVT: dict[int, bool] = {}
+_CAPABILITY: dict[int, tuple[int, int]] = {}
+
+
+def compute_capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA device (cached)."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _CAPABILITY.get(index)
+    if cap is None:
+        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
+    return cap
 
 
 def float8_conversions(device: torch.device) -> bool:
     """Whether kernels for ``device`` may use Triton's float8 types: a CUDA device of compute capability
-    8.9 or later (cached). Triton refuses them on an earlier GPU (Ampere), and the kernels take float8
-    tensors there as their bytes (``uint8`` views) and convert by integer operations, as they do under
-    the interpreter (False off CUDA)."""
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    ok = _FP8_CVT.get(index)
-    if ok is None:
-        ok = _FP8_CVT[index] = torch.cuda.get_device_capability(index) >= (8, 9)
-    return ok
+    8.9 or later. Triton refuses them on an earlier GPU (Ampere), and the kernels take float8 tensors
+    there as their bytes (``uint8`` views) and convert by integer operations, as they do under the
+    interpreter (False off CUDA)."""
+    return device.type == "cuda" and compute_capability(device) >= (8, 9)
 
 
 def shared_memory_per_block(device: torch.device) -> int:
@@ -431,6 +434,6 @@ class KernelLaunch:
 
 
 __all__ = ["DEFAULT_SHARED_BYTES", "HOPPER_REG_ALLOC", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch",
-           "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "float8_conversions", "hopper_ptx_options",
-           "multiprocessor_count", "next_pow2", "prev_pow2", "scratch", "shared_memory_per_block",
-           "wait_for_prior_grid"]
+           "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "compute_capability", "float8_conversions",
+           "hopper_ptx_options", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch",
+           "shared_memory_per_block", "wait_for_prior_grid"]

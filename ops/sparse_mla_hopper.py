@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
-from ._launch import KernelLaunch, LaunchPlan, cdiv, hopper_ptx_options
+from ._launch import KernelLaunch, LaunchPlan, cdiv, compute_capability, hopper_ptx_options
 from ._triton import HAS_TRITON, release, triton
 
 #: Triton releases whose Gluon the Hopper kernels (this module's and ``sparse_gqa_hopper``'s) are written
@@ -1132,15 +1132,8 @@ if HAS_GLUON:
 # host side
 # =====================================================================================================
 
-_CAPABILITY: dict[int, tuple[int, int]] = {}
-
-
 def _is_sm90(device: torch.device) -> bool:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    cap = _CAPABILITY.get(index)
-    if cap is None:
-        cap = _CAPABILITY[index] = torch.cuda.get_device_capability(index)
-    return cap == (9, 0)
+    return compute_capability(device) == (9, 0)
 
 
 # Positions of the kernels' arguments that must be 16-byte aligned, ``cache_ptr`` and ``xcache_ptr``
