@@ -23,7 +23,8 @@ One set of conventions for all of them (metadata, KV cache, sparse MLA, sparse G
   the launch-function conventions of the Triton versions the library is tested with (3.6 to 3.9;
   3.8 and 3.9 have 3.7's); with any other version, for a kernel that needs Triton-allocated
   scratch memory or carries Triton's sanitizer instrumentation, under the Triton interpreter, or with
-  ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the normal path. Triton's
+  ``TORCH_SPARSE_MLA_JIT_LAUNCH=1`` in the environment, every call takes the normal path; so does every
+  call on a ROCm build of PyTorch (:func:`hip`), whose Triton backend has another launch function. Triton's
   launch hooks (``knobs.runtime.launch_enter_hook``, used by profilers such as proton) are not
   called on the shortcut; set that variable while profiling with them.
 - **One offset rule.** Triton passes a Python int that fits in 32 bits as an ``i32`` (and the value 1 as
@@ -95,11 +96,19 @@ def multiprocessor_count(device: torch.device) -> int:
     return count
 
 
+def hip() -> bool:
+    """Whether PyTorch is a ROCm build, whose ``"cuda"`` devices are AMD GPUs. Their
+    ``torch.cuda.get_device_capability`` is the GFX version (``(9, 0)`` for an MI200's gfx90a, ``(9, 4)``
+    for an MI300's gfx942), not an NVIDIA compute capability: every choice made from a capability asks
+    this first."""
+    return torch.version.hip is not None
+
+
 _CAPABILITY: dict[int, tuple[int, int]] = {}
 
 
 def compute_capability(device: torch.device) -> tuple[int, int]:
-    """``(major, minor)`` of a CUDA device (cached)."""
+    """``(major, minor)`` of a CUDA device (cached): on a ROCm build the GFX version (see :func:`hip`)."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     cap = _CAPABILITY.get(index)
     if cap is None:
@@ -108,11 +117,12 @@ def compute_capability(device: torch.device) -> tuple[int, int]:
 
 
 def float8_conversions(device: torch.device) -> bool:
-    """Whether kernels for ``device`` may use Triton's float8 types: a CUDA device of compute capability
+    """Whether kernels for ``device`` may use Triton's float8 types: an NVIDIA GPU of compute capability
     8.9 or later. Triton refuses them on an earlier GPU (Ampere), and the kernels take float8 tensors
     there as their bytes (``uint8`` views) and convert by integer operations, as they do under the
-    interpreter (False off CUDA)."""
-    return device.type == "cuda" and compute_capability(device) >= (8, 9)
+    interpreter (False off CUDA). False on AMD GPUs (:func:`hip`) too: Triton converts the float8 type
+    there by emulation on most of them, where the integer routes give the bits the tests check."""
+    return device.type == "cuda" and not hip() and compute_capability(device) >= (8, 9)
 
 
 def shared_memory_per_block(device: torch.device) -> int:
@@ -183,6 +193,8 @@ def _fast_launch_abi() -> tuple[int, int] | None:
     if not HAS_TRITON or os.environ.get("TORCH_SPARSE_MLA_JIT_LAUNCH") == "1":
         return None
     if os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    if hip():  # the launch function of Triton's AMD backend takes its arguments in another order
         return None
     version = release(triton.__version__)
     return version if version in _FAST_LAUNCH_TRITON_VERSIONS else None
@@ -435,5 +447,5 @@ class KernelLaunch:
 
 __all__ = ["DEFAULT_SHARED_BYTES", "HOPPER_REG_ALLOC", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch",
            "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "compute_capability", "float8_conversions",
-           "hopper_ptx_options", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch",
+           "hip", "hopper_ptx_options", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch",
            "shared_memory_per_block", "wait_for_prior_grid"]

@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
-from ._launch import KernelLaunch, LaunchPlan, cdiv, compute_capability, hopper_ptx_options
+from ._launch import KernelLaunch, LaunchPlan, cdiv, compute_capability, hip, hopper_ptx_options
 from ._triton import HAS_TRITON, release, triton
 
 #: Triton releases whose Gluon the Hopper kernels (this module's and ``sparse_gqa_hopper``'s) are written
@@ -1133,7 +1133,9 @@ if HAS_GLUON:
 # =====================================================================================================
 
 def _is_sm90(device: torch.device) -> bool:
-    return compute_capability(device) == (9, 0)
+    """An NVIDIA sm_90 GPU (H100, H200, H20, H800). Not an AMD GPU of a ROCm build, whose capability
+    ``(9, 0)`` is an MI200's GFX version (:func:`_launch.hip`)."""
+    return not hip() and compute_capability(device) == (9, 0)
 
 
 # Positions of the kernels' arguments that must be 16-byte aligned, ``cache_ptr`` and ``xcache_ptr``

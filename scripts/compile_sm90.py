@@ -2,7 +2,7 @@
 arithmetic and report their resources.
 
     python scripts/compile_sm90.py [--ttir-only] [--check-offsets] [--check-load-chains] [--check-stores-last]
-                                   [--cases NAME ...] [--list] [--arch 90]
+                                   [--cases NAME ...] [--list] [--arch 90 | --arch gfx942]
 
 The launchers (``ops/*_triton``) run on small CPU tensors with a stand-in Triton driver whose target is
 sm_90: every ``KernelLaunch`` compiles its kernel exactly as the JIT would on an H100/H200 (same
@@ -13,8 +13,13 @@ bytes an sm_90 block may use).
 
 ``--arch N`` compiles for sm_N instead (80 for an A100, 86, 89, 100, 120): the portable kernels a GPU
 other than sm_90 runs, with the float8 choice the launchers make for it (``float8_conversions``: before
-sm_89 float8 tensors reach the kernels as bytes and convert by integer operations). Exit status 1
-when a kernel does not compile.
+sm_89 float8 tensors reach the kernels as bytes and convert by integer operations). ``--arch gfxNNN``
+compiles them with Triton's AMD backend for that GPU of a ROCm build of PyTorch (gfx90a for an MI200,
+gfx942 for an MI300, gfx950 for an MI350, gfx1100 and gfx1201 for Radeon GPUs), as the launchers plan
+them there (float8 tensors as bytes, every float8 conversion by integer operations; the inline PTX is
+compiled only for NVIDIA targets; the sparse-MLA tiles planned for the GPU's LDS); the report then
+gives vector registers, spilled registers and the local data share (LDS) against the GPU's 64 KB (160
+KB on gfx950). Exit status 1 when a kernel does not compile.
 
 ``--check-load-chains`` checks that in the cache writers (``LOADS_FIRST``) no load waits for another:
 no ``tt.load``'s pointer, mask or default derives from a value loaded from memory, so every load is
@@ -59,7 +64,7 @@ SM90_MAX_SHARED = 232_448  # bytes of shared memory an sm_90 thread block may us
 class _OfflineDriver:
     """What the Triton JIT asks of the driver before it compiles; nothing here touches a GPU."""
 
-    arch = 90  # the compute capability compiled for (``--arch``)
+    arch: int | str = 90  # the compute capability compiled for, or an AMD GPU's gfx name (``--arch``)
 
     def get_current_device(self):
         return 0
@@ -68,6 +73,8 @@ class _OfflineDriver:
         return 0
 
     def get_current_target(self):
+        if isinstance(self.arch, str):
+            return GPUTarget("hip", self.arch, 32 if self.arch.startswith("gfx1") else 64)
         return GPUTarget("cuda", self.arch, 32)
 
     def get_active_torch_device(self):
@@ -92,20 +99,20 @@ class _StopAfterTTIR(Exception):
 def _ttir_only(enabled: bool) -> None:
     if not enabled:
         return
+    from triton.backends.amd.compiler import HIPBackend
     from triton.backends.nvidia.compiler import CUDABackend
 
-    original = CUDABackend.add_stages
+    for backend in (CUDABackend, HIPBackend):
+        def add_stages(self, stages, options, *rest, _original=backend.add_stages):
+            _original(self, stages, options, *rest)
+            make_ttir = stages["ttir"]
 
-    def add_stages(self, stages, options, language):
-        original(self, stages, options, language)
-        make_ttir = stages["ttir"]
+            def ttir_then_stop(src, metadata):
+                raise _StopAfterTTIR(str(make_ttir(src, metadata)))
 
-        def ttir_then_stop(src, metadata):
-            raise _StopAfterTTIR(str(make_ttir(src, metadata)))
+            stages["ttir"] = ttir_then_stop
 
-        stages["ttir"] = ttir_then_stop
-
-    CUDABackend.add_stages = add_stages
+        backend.add_stages = add_stages
 
 
 COMPILED: list[tuple[str, str, object]] = []  # (case, kernel name, CompiledKernel or TTIR text)
@@ -134,7 +141,8 @@ def _record(self, args):
 
 _launch.KernelLaunch._jit_launch_here = _record
 # the launchers' float8 choice for the target, not for the CPU tensors the cases pass
-_launch.float8_conversions = gqa_ops.float8_conversions = lambda device: _OfflineDriver.arch >= 89
+_launch.float8_conversions = gqa_ops.float8_conversions = (
+    lambda device: not isinstance(_OfflineDriver.arch, str) and _OfflineDriver.arch >= 89)
 
 
 # =====================================================================================================
@@ -431,6 +439,19 @@ def _ptxas_usage(ptx: str) -> tuple[int, int]:
     return (int(regs.group(1)) if regs else -1), (int(spill.group(1)) if spill else -1)
 
 
+AMD_LDS_BYTES = {"gfx950": 163_840}  # local data share a workgroup may use; 65,536 on the other AMD GPUs
+
+
+def _amdgcn_usage(amdgcn: str) -> tuple[int, int]:
+    """Vector registers and spilled registers (vector and scalar) of an AMD kernel, from the metadata of
+    its assembly."""
+    def field(name):
+        found = re.search(rf"^\s*\.{name}:\s+(\d+)", amdgcn, re.M)
+        return int(found.group(1)) if found else -1
+
+    return field("vgpr_count"), max(0, field("vgpr_spill_count")) + max(0, field("sgpr_spill_count"))
+
+
 def _report(found: dict, title: str, what: str, listing: bool) -> None:
     """Print the kernels in ``found`` ((case, kernel) -> offending TTIR lines), with the lines if
     ``listing``."""
@@ -444,6 +465,13 @@ def _report(found: dict, title: str, what: str, listing: bool) -> None:
                 print(f"      {line}")
 
 
+def _arch(value: str) -> int | str:
+    """``--arch``: a compute capability (``90``) or an AMD GPU's gfx name (``gfx942``)."""
+    if re.fullmatch(r"gfx[0-9a-f]+", value):
+        return value
+    return int(value)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="*", default=list(DEFAULT_CASES), choices=list(CASES))
@@ -454,17 +482,23 @@ def main(argv=None) -> int:
     parser.add_argument("--check-stores-last", action="store_true",
                         help="exit 1 if a load of a metadata kernel or cache writer follows a store")
     parser.add_argument("--list", action="store_true", help="print each kernel's offending lines")
-    parser.add_argument("--arch", type=int, default=90, help="the compute capability to compile for (default 90)")
+    parser.add_argument("--arch", type=_arch, default=90,
+                        help="the compute capability to compile for (default 90), or an AMD GPU (gfx942)")
     args = parser.parse_args(argv)
     _ttir_only(args.ttir_only)
     _OfflineDriver.arch = args.arch
+    amd = isinstance(args.arch, str)
+    target = args.arch if amd else f"sm_{args.arch}"
+    if amd:  # plan the portable sparse-MLA tiles for the GPU's LDS, as on a ROCm device
+        mla_ops.shared_memory_per_block = lambda device: AMD_LDS_BYTES.get(args.arch, 65_536)
 
     for case in args.cases:
         _CASE[0] = case
         CASES[case]()
 
     failures, chains, late = defaultdict(set), defaultdict(set), defaultdict(set)
-    print(f"{'case':<22} {'kernel':<36} {'regs':>5} {'spill B':>8} {'shared B':>9}")
+    print(f"{'case':<22} {'kernel':<36} {'regs':>5} {'spill B':>8} {'shared B':>9}" if not amd else
+          f"{'case':<22} {'kernel':<36} {'VGPRs':>5} {'spilled':>8} {'LDS B':>9}")
     for case, name, compiled in COMPILED:
         ttir = compiled if isinstance(compiled, str) else compiled.asm["ttir"]
         if args.check_offsets:
@@ -478,11 +512,15 @@ def main(argv=None) -> int:
                 late[(case, name)].add(line)
         if isinstance(compiled, str):
             continue
-        regs, spill = _ptxas_usage(compiled.asm["ptx"])
         shared = compiled.metadata.shared
-        flag = "  > sm_90 limit" if args.arch == 90 and shared > SM90_MAX_SHARED else ""
+        if amd:
+            regs, spill = _amdgcn_usage(compiled.asm["amdgcn"])
+            flag = "  > LDS limit" if shared > AMD_LDS_BYTES.get(args.arch, 65_536) else ""
+        else:
+            regs, spill = _ptxas_usage(compiled.asm["ptx"])
+            flag = "  > sm_90 limit" if args.arch == 90 and shared > SM90_MAX_SHARED else ""
         print(f"{case:<22} {name:<36} {regs:>5} {spill:>8} {shared:>9}{flag}")
-    print(f"{len(COMPILED)} launches compiled for sm_{args.arch} (triton {triton.__version__})")
+    print(f"{len(COMPILED)} launches compiled for {target} (triton {triton.__version__})")
     for case, name, error in FAILED:
         print(f"does not compile: {case} {name}: {error}")
     _report(failures, "offset rule broken in {} kernel(s):", "32-bit product(s) reach an address", args.list)

@@ -98,7 +98,8 @@ def requires_cuda(test):
 def _hopper_kernels_usable() -> bool:
     from torch_sparse_mla.ops.sparse_mla_hopper import HAS_GLUON
 
-    return HAS_CUDA and torch.cuda.get_device_capability() == (9, 0) and HAS_GLUON
+    # not an MI200 of a ROCm build, whose GFX version is also (9, 0)
+    return HAS_CUDA and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0) and HAS_GLUON
 
 
 _skip_without_hopper = pytest.mark.skipif(

@@ -282,18 +282,25 @@ def test_layout_supported_refuses_what_the_hopper_kernels_cannot_serve():
     assert not mla(q, cache, "fp8_656", 512, shifted((8, 64, 656), torch.uint8, 2))  # the extra cache's base
 
 
-def test_portable_kernels_compile_before_sm89():
+@pytest.mark.parametrize("arch, target, backend", [("80", "sm_80", "nvidia"), ("gfx942", "gfx942", "amd")],
+                         ids=["sm80", "gfx942"])
+def test_portable_kernels_compile_for_other_gpus(arch, target, backend):
     """Without a GPU: every portable kernel that reads or writes float8 (the cache writers and gathers,
     the sparse-GQA decode over float8 and NVFP4 caches and float8 queries, the sparse-MLA decode over
-    both float8 formats) compiles for sm_80, where Triton has no float8 type and no float8 conversion
-    instruction exists (``scripts/compile_sm90.py --arch 80``: each launch as the launchers plan it for
-    such a GPU, through ``ptxas``). Before the integer routes they failed to compile there."""
-    pytest.importorskip("triton.backends.nvidia.compiler")
-    result = run_offline_compile("compile_sm90.py", "--arch", "80", "--cases", "kv_cache", "sparse_gqa",
+    both float8 formats) compiles, as the launchers plan it there (``scripts/compile_sm90.py --arch``):
+    - for sm_80 (an A100) through ``ptxas``: Triton has no float8 type and no float8 conversion
+      instruction exists there; before the integer routes they failed to compile;
+    - for gfx942 (an MI300 on a ROCm build of PyTorch) with Triton's AMD backend: float8 tensors as
+      bytes, no inline PTX, and the plans' shared memory within the 64 KB of LDS a workgroup may use.
+      The launchers' choices on such a build (no sm_90 kernels, no float8 types, Triton's own launch)
+      are ``test_library.py::test_capability_choices_on_rocm``."""
+    pytest.importorskip(f"triton.backends.{backend}.compiler")
+    result = run_offline_compile("compile_sm90.py", "--arch", arch, "--cases", "kv_cache", "sparse_gqa",
                                  "sparse_mla_fp8")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
-    compiled = re.search(r"^(\d+) launches compiled for sm_80", result.stdout, re.M)
+    compiled = re.search(rf"^(\d+) launches compiled for {target} ", result.stdout, re.M)
     assert compiled and int(compiled.group(1)) >= 30, result.stdout[-2000:]
+    assert "limit" not in result.stdout, result.stdout[-4000:]
     kernels = set(re.findall(r"^\w+\s+(_\w+_kernel)\s", result.stdout, re.M))
     assert {"_kv_cache_insert_kernel", "_kv_cache_gather_kernel", "_sparse_gqa_decode_kernel",
             "_gqa_kv_cache_insert_kernel", "_sparse_mla_decode_kernel"} <= kernels, kernels

@@ -715,7 +715,32 @@ def test_launch_shortcut_versions(monkeypatch):
     monkeypatch.setattr(_launch.triton, "__version__", "3.8.0")
     monkeypatch.setenv("TORCH_SPARSE_MLA_JIT_LAUNCH", "1")
     assert _launch._fast_launch_abi() is None
+    monkeypatch.delenv("TORCH_SPARSE_MLA_JIT_LAUNCH")
+    assert _launch._fast_launch_abi() == (3, 8)
+    monkeypatch.setattr(torch.version, "hip", "6.4.43482")  # a ROCm build: Triton's AMD launch function
+    assert _launch._fast_launch_abi() is None
     assert set(_WRAPPER_LAUNCH_CALLS) == set(_launch._FAST_LAUNCH_TRITON_VERSIONS)
+
+
+def test_capability_choices_on_rocm(monkeypatch):
+    """On a ROCm build of PyTorch a ``"cuda"`` device is an AMD GPU whose capability is its GFX version:
+    ``(9, 0)`` for an MI200 (gfx90a), ``(9, 4)`` for an MI300 (gfx942). Neither may pick the sm_90
+    (Gluon) kernels nor Triton's float8 types; on NVIDIA GPUs the choices stay as they were."""
+    from torch_sparse_mla.ops import sparse_gqa_hopper, sparse_mla_hopper
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(_launch, "_CAPABILITY", {})
+    for hip, capability, sm90, float8 in ((None, (9, 0), True, True), (None, (8, 9), False, True),
+                                          (None, (8, 0), False, False), (None, (10, 0), False, True),
+                                          ("6.4.43482", (9, 0), False, False), ("6.4.43482", (9, 4), False, False),
+                                          ("6.4.43482", (9, 5), False, False), ("6.4.43482", (11, 0), False, False)):
+        monkeypatch.setattr(torch.version, "hip", hip)
+        _launch._CAPABILITY[0] = capability
+        assert _launch.hip() is (hip is not None)
+        assert sparse_mla_hopper._is_sm90(gpu) is sm90, (hip, capability)
+        assert _launch.float8_conversions(gpu) is float8, (hip, capability)
+    assert sparse_gqa_hopper._is_sm90 is sparse_mla_hopper._is_sm90  # one test for both Hopper kernels
+    assert not _launch.float8_conversions(torch.device("cpu"))
 
 
 def test_hopper_ptx_options(monkeypatch):
