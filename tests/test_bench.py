@@ -141,10 +141,19 @@ def test_bench_needs_a_gpu(capsys):
 
 def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
     """The command's whole flow on a CPU, with the GPU timers replaced by constants: every family's
-    table, the host-overhead table and the header reach the output file."""
+    table, the host-overhead table and the header reach the output file. Without Triton the command
+    refuses (exit 2) and says why."""
     import functools
 
     from torch_sparse_mla.bench import __main__ as cli
+    from torch_sparse_mla.ops import _triton
+
+    monkeypatch.setattr(cli, "_gpu", lambda: "test device")
+    monkeypatch.setattr(_triton, "HAS_TRITON", False)  # where Triton is not installed: a clear refusal
+    assert cli.main(["all", "--out", str(tmp_path / "none.md")]) == 2
+    assert "needs Triton" in capsys.readouterr().err and not (tmp_path / "none.md").exists()
+    monkeypatch.undo()
+    pytest.importorskip("triton", reason="needs Triton (pip install triton; Linux): the benchmark times its kernels")
 
     monkeypatch.setattr(common, "REFERENCE_BACKEND", "aot_eager")
     monkeypatch.setattr(common, "graph_us", lambda fn, calls=1, clean_l2=False: (fn(), 8.0 if clean_l2 else 10.0)[1])
@@ -200,6 +209,7 @@ def test_floor_kernel_reads_and_writes_the_bytes_it_counts(read, written):
     plus their positions. (On a GPU the benchmark runs it; here its arithmetic is checked.)"""
     if torch.cuda.is_available():
         pytest.skip("checked under the Triton interpreter on CPU; the benchmark runs it on the GPU")
+    pytest.importorskip("triton", reason="needs Triton (pip install triton; Linux): the floor is a Triton kernel")
     from torch_sparse_mla.bench import floor
 
     programs, write, n_read, n_write = floor.plan(read, written)

@@ -29,7 +29,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from common import HAS_CUDA, INTERPRETER, examples, requires_hopper, run_offline_compile
+from common import HAS_CUDA, INTERPRETER, examples, requires_hopper, requires_interpreter, run_offline_compile
 from test_sparse_gqa import FP8, NVFP4, Cfg, _out_buffer, assert_matches_reference
 from test_sparse_gqa import make_inputs as gqa_inputs
 from test_sparse_mla import _HEAD_FORMS, Spec, _outputs_like, _positional, _to_device, assert_matches
@@ -143,7 +143,8 @@ def test_sparse_mla_hopper_domain(case):
 # the portable kernel (``path="portable"``), which serves every GPU but sm_90.
 
 PORTABLE_BACKENDS = pytest.mark.parametrize("backend", (["interpreter"] if INTERPRETER else []) + (
-    [pytest.param("cuda", marks=pytest.mark.cuda)] if HAS_CUDA else []))
+    [pytest.param("cuda", marks=pytest.mark.cuda)] if HAS_CUDA else [])
+    or [pytest.param("interpreter", marks=requires_interpreter)])  # neither: skipped with the reason
 
 
 def _on(backend: str) -> tuple[list[torch.dtype], str]:

@@ -69,7 +69,12 @@ def main(argv=None) -> int:
     if gpu is None:
         print("torch_sparse_mla.bench: needs a CUDA GPU (it times the Triton kernels)", file=sys.stderr)
         return 2
-    import triton
+    from torch_sparse_mla.ops._triton import HAS_TRITON, triton
+
+    if not HAS_TRITON:
+        print("torch_sparse_mla.bench: needs Triton (it times the Triton kernels; pip install triton)",
+              file=sys.stderr)
+        return 2
 
     # Each reference function is compiled once per configuration (static shapes): allow that many.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)

@@ -79,13 +79,14 @@ def main(argv=None) -> int:
     else:
         where = ("CPU: small sizes, CPU kernels, torch.compile without CUDA graphs (on a GPU the same command "
                  "runs model-sized steps as CUDA graphs)")
-    import triton
+    from torch_sparse_mla.ops._triton import HAS_TRITON, triton
 
     if device.type == "cpu":
         # A CUDA build of torch on a machine without a GPU logs "No CUDA runtime is found" when
         # inductor builds C++ kernels: true, and irrelevant to a CPU run.
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-    say(f"torch_sparse_mla demo on {where}; torch {torch.__version__}, triton {triton.__version__}")
+    say(f"torch_sparse_mla demo on {where}; torch {torch.__version__}, "
+        + (f"triton {triton.__version__}" if HAS_TRITON else "no triton (the CPU kernels need none)"))
     if device.type == "cuda" and not compile_plain and args.compile_plain is None:
         say(f"the plain-PyTorch steps run eagerly: {why_not}; --compile-plain compiles them anyway")
     start = time.perf_counter()
