@@ -269,6 +269,24 @@ def hopper_ptx_options() -> str | None:
     return f"{HOPPER_REG_ALLOC} {user}" if user else HOPPER_REG_ALLOC
 
 
+@functools.cache
+def _amd_buffer_ops_off() -> bool:
+    """Whether Triton 3.6 compiles the kernels for an AMD GPU. Its pass that turns loads and stores into
+    buffer operations stops on the portable sparse-MLA decode (an assertion in its axis analysis,
+    "PassManager::run failed"; 3.7 to 3.9 build the kernel). There every launch of this library runs
+    with that pass off (Triton's ``AMDGCN_USE_BUFFER_OPS=0``, set for the call only: the knob also
+    enters the arguments' specialisation, so each call sees the same setting). Asked once, at the
+    first launch (the active driver's target)."""
+    if not HAS_TRITON or release(triton.__version__) != (3, 6):
+        return False
+    try:
+        from triton.runtime.driver import driver
+
+        return driver.active.get_current_target().backend == "hip"
+    except Exception:  # noqa: BLE001 - no usable driver (the interpreter without a GPU): not an AMD build
+        return False
+
+
 def _get_device() -> int:
     return torch._C._cuda_getDevice()
 
@@ -429,9 +447,16 @@ class KernelLaunch:
     def _jit_launch(self, args):
         n = len(args) - len(self.meta) if getattr(self.kernel, "arg_names", None) is not None else len(args)
         if self.device is None or _get_device() == self.device:
-            return self._jit_launch_here(args[:n])
+            return self._jit_launch_scoped(args[:n])
         with torch.cuda.device(self.device):
-            return self._jit_launch_here(args[:n])
+            return self._jit_launch_scoped(args[:n])
+
+    def _jit_launch_scoped(self, args):
+        if not _amd_buffer_ops_off():
+            return self._jit_launch_here(args)
+        with triton.knobs.amd.scope():
+            triton.knobs.amd.use_buffer_ops = False
+            return self._jit_launch_here(args)
 
     def _jit_launch_here(self, args):
         try:

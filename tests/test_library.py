@@ -722,6 +722,40 @@ def test_launch_shortcut_versions(monkeypatch):
     assert set(_WRAPPER_LAUNCH_CALLS) == set(_launch._FAST_LAUNCH_TRITON_VERSIONS)
 
 
+def test_amd_buffer_ops_off_with_triton_36(monkeypatch):
+    """Triton 3.6's AMD backend cannot build the portable sparse-MLA decode with its buffer operations
+    (``ops/_launch.py::_amd_buffer_ops_off``): for an AMD target with 3.6 a launch compiles with them off
+    for its own call only; every other release and target keeps Triton's setting. (The build itself:
+    ``test_kernel_domains.py::test_portable_kernels_compile_for_other_gpus``, run with 3.6.)"""
+    if not _launch.HAS_TRITON or not hasattr(_launch.triton, "knobs"):
+        pytest.skip("needs triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.driver import driver
+
+    class Target:
+        backend = "cuda"
+
+        def get_current_target(self):
+            return GPUTarget(self.backend, "gfx942" if self.backend == "hip" else 90, 64)
+
+    target = Target()
+    monkeypatch.setattr(driver, "_active", target)
+    seen = []
+    monkeypatch.setattr(_launch.KernelLaunch, "_jit_launch_here",
+                        lambda self, args: seen.append(_launch.triton.knobs.amd.use_buffer_ops))
+    for version, backend, off in (("3.6.0", "hip", True), ("3.6.1", "hip", True), ("3.7.1", "hip", False),
+                                  ("3.9.0", "hip", False), ("3.6.0", "cuda", False)):
+        monkeypatch.setattr(_launch.triton, "__version__", version)
+        target.backend = backend
+        _launch._amd_buffer_ops_off.cache_clear()
+        assert _launch._amd_buffer_ops_off() is off, (version, backend)
+        seen.clear()
+        before = _launch.triton.knobs.amd.use_buffer_ops
+        _launch.KernelLaunch.__new__(_launch.KernelLaunch)._jit_launch_scoped(())
+        assert seen == [before and not off] and _launch.triton.knobs.amd.use_buffer_ops == before
+    _launch._amd_buffer_ops_off.cache_clear()
+
+
 def test_capability_choices_on_rocm(monkeypatch):
     """On a ROCm build of PyTorch a ``"cuda"`` device is an AMD GPU whose capability is its GFX version:
     ``(9, 0)`` for an MI200 (gfx90a), ``(9, 4)`` for an MI300 (gfx942). Neither may pick the sm_90
