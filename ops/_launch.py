@@ -134,7 +134,9 @@ def shared_memory_per_block(device: torch.device) -> int:
     size = _SHARED.get(index)
     if size is None:
         props = torch.cuda.get_device_properties(index)
-        size = _SHARED[index] = int(getattr(props, "shared_memory_per_block_optin", DEFAULT_SHARED_BYTES))
+        # the opt-in size (NVIDIA GPUs since Volta), else the plain one (a build that reports no opt-in)
+        size = getattr(props, "shared_memory_per_block_optin", None) or getattr(props, "shared_memory_per_block", None)
+        size = _SHARED[index] = int(size or DEFAULT_SHARED_BYTES)
     return size
 
 

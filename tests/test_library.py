@@ -777,6 +777,22 @@ def test_capability_choices_on_rocm(monkeypatch):
     assert not _launch.float8_conversions(torch.device("cpu"))
 
 
+def test_shared_memory_per_block(monkeypatch):
+    """The shared memory the portable sparse-MLA planner fits its tiles to: the device's opt-in size,
+    else (a build whose properties report none) its plain per-block size, else the sm_90 figure."""
+    import types
+
+    gpu = torch.device("cuda", 0)
+    for props, want in ((dict(shared_memory_per_block_optin=232_448, shared_memory_per_block=49_152), 232_448),
+                        (dict(shared_memory_per_block=65_536), 65_536),
+                        (dict(shared_memory_per_block_optin=0, shared_memory_per_block=65_536), 65_536),
+                        ({}, _launch.DEFAULT_SHARED_BYTES)):
+        monkeypatch.setattr(_launch, "_SHARED", {})
+        monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index, p=props: types.SimpleNamespace(**p))
+        assert _launch.shared_memory_per_block(gpu) == want, props
+    assert _launch.shared_memory_per_block(torch.device("cpu")) == _launch.DEFAULT_SHARED_BYTES
+
+
 def test_hopper_ptx_options(monkeypatch):
     """The Hopper kernels' ptxas options (``ops/_launch.py::hopper_ptx_options``): ptxas's default
     register-allocation level, given after Triton's own ``--regAllocOptLevel=2``, where the ptxas that
