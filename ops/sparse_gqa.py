@@ -945,6 +945,8 @@ def sparse_gqa_decode_triton(q, kv_cache, topk_pages, block_table, kv_segment_le
     entry = _PLANS.get(key)
     if entry is None:
         use_hopper = path != "portable" and hopper.supported(q, kv_cache)
+        if path is None and not use_hopper and not hopper.HAS_GLUON:
+            hopper.warn_portable_on_sm90("sparse_gqa_decode", q.device, hopper.layout_supported(q, kv_cache))
         if path == "hopper" and not use_hopper:
             raise ValueError("path: the Hopper kernel does not serve these arguments (see "
                              "ops/sparse_gqa_hopper.py::supported)")

@@ -56,7 +56,7 @@ import torch
 from ..meta_kernels.sparse_gqa import is_nvfp4, kv_heads
 from ._formats import e2m1_reencode_ptx
 from ._launch import KernelLaunch, LaunchPlan, cdiv, hopper_ptx_options, next_pow2
-from .sparse_mla_hopper import HAS_GLUON, _is_sm90
+from .sparse_mla_hopper import HAS_GLUON, _is_sm90, warn_portable_on_sm90
 
 if HAS_GLUON:
     from triton.experimental import gluon
@@ -1015,4 +1015,5 @@ def make_launch(q, kv_cache, topk_pages, block_table, kv_segment_lens, qo_offset
                         aligned=ALIGNED_ARGS, ptx_options=hopper_ptx_options())
 
 
-__all__ = ["ALIGNED_ARGS", "BLOCK_N", "HAS_GLUON", "NUM_STAGES", "make_launch", "plan_launch", "supported"]
+__all__ = ["ALIGNED_ARGS", "BLOCK_N", "HAS_GLUON", "NUM_STAGES", "make_launch", "plan_launch", "supported",
+           "warn_portable_on_sm90"]

@@ -820,6 +820,9 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
     if entry is None:
         k_total = indices.shape[1] + (extra_indices.shape[1] if has_extra else 0)
         use_hopper = path != "portable" and hopper.supported(q, kv_cache, kv_format, head_dim_v, extra_kv_cache)
+        if path is None and not use_hopper and not hopper.HAS_GLUON:
+            hopper.warn_portable_on_sm90("sparse_mla_decode", q.device, hopper.layout_supported(
+                q, kv_cache, kv_format, head_dim_v, extra_kv_cache))
         if path == "hopper" and not use_hopper:
             raise ValueError("path: the Hopper kernel does not serve these arguments (see "
                              "ops/sparse_mla_hopper.py::supported)")

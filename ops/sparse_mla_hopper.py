@@ -72,7 +72,12 @@ def gluon_version_supported(version: str) -> bool:
 
 
 HAS_GLUON = False
-if HAS_TRITON and gluon_version_supported(triton.__version__):
+# Why this Triton gives no Hopper kernels (None where it does): what warn_portable_on_sm90 says.
+GLUON_UNAVAILABLE: str | None = None
+if HAS_TRITON and not gluon_version_supported(triton.__version__):
+    GLUON_UNAVAILABLE = (f"triton {triton.__version__} is not a release the Hopper kernels are written for "
+                         f"({', '.join('%d.%d' % v for v in GLUON_TRITON_VERSIONS)})")
+elif HAS_TRITON:
     try:
         from triton.experimental import gluon
         from triton.experimental.gluon import language as gl
@@ -92,9 +97,15 @@ if HAS_TRITON and gluon_version_supported(triton.__version__):
         if not hasattr(gl.shared_memory_descriptor, "reinterpret"):
             gl.shared_memory_descriptor.reinterpret = gl.shared_memory_descriptor._reinterpret
 
-        HAS_GLUON = all(hasattr(gl, n) for n in ("warp_specialize", "NVMMADistributedLayout", "inline_asm_elementwise"))
-    except Exception:  # noqa: BLE001 - any Triton without a usable Gluon for Hopper takes the portable path
+        _missing = [n for n in ("warp_specialize", "NVMMADistributedLayout", "inline_asm_elementwise")
+                    if not hasattr(gl, n)]
+        HAS_GLUON = not _missing
+        if _missing:
+            GLUON_UNAVAILABLE = f"the Gluon of triton {triton.__version__} has no {', '.join(_missing)}"
+    except Exception as exc:  # noqa: BLE001 - any Triton without a usable Gluon for Hopper takes the portable path
         HAS_GLUON = False
+        GLUON_UNAVAILABLE = (f"the Gluon of triton {triton.__version__} could not be imported "
+                             f"({type(exc).__name__}: {exc})")
 
 BLOCK_H = 64  # heads per CTA: the M of one warpgroup's wgmma
 BLOCK_N = 64  # candidates per block (one ring stage)
@@ -1138,6 +1149,29 @@ def _is_sm90(device: torch.device) -> bool:
     return not hip() and compute_capability(device) == (9, 0)
 
 
+class PortableKernelWarning(UserWarning):
+    """An sm_90 GPU runs the portable Triton kernel for a call the Hopper kernel would serve, because
+    this Triton gives no Hopper kernels (:data:`GLUON_UNAVAILABLE`)."""
+
+
+_WARNED: set[str] = set()
+
+
+def warn_portable_on_sm90(op: str, device: torch.device, layout_ok: bool) -> None:
+    """Warn, once per operator and process, where a call on an sm_90 GPU whose layout the Hopper kernel
+    takes (``layout_ok``) runs the portable kernel because this Triton gives no Hopper kernels: slower at
+    the models' shapes, and otherwise silent. Called where a launcher plans a call."""
+    if HAS_GLUON or not layout_ok or op in _WARNED or device.type != "cuda" or not _is_sm90(device):
+        return
+    _WARNED.add(op)
+    import warnings
+
+    warnings.warn(f"torch_sparse_mla: {op} runs its portable Triton kernel on this sm_90 GPU, not its Hopper "
+                  f"kernel, which is faster at the models' shapes: {GLUON_UNAVAILABLE}. A triton "
+                  f"from {'%d.%d' % GLUON_TRITON_VERSIONS[0]} to {'%d.%d' % GLUON_TRITON_VERSIONS[-1]} gives "
+                  "them. (Said once per operator.)", PortableKernelWarning, stacklevel=2)
+
+
 # Positions of the kernels' arguments that must be 16-byte aligned, ``cache_ptr`` and ``xcache_ptr``
 # (``ops/sparse_mla.py::_kernel_args``): the cache-row copies do not compile otherwise
 # (``scripts/inspect_hopper.py --alignment``; :func:`supported` checks them).
@@ -1236,5 +1270,6 @@ def make_launch(args: tuple, q, kv_format, topk_length, attn_sink, extra_kv_cach
                         device=q.device, aligned=ALIGNED_ARGS, ptx_options=hopper_ptx_options())
 
 
-__all__ = ["ALIGNED_ARGS", "BLOCK_H", "GLUON_TRITON_VERSIONS", "HAS_GLUON", "check_plan", "few_heads_block",
-           "gluon_version_supported", "make_launch", "plan_launch", "supported"]
+__all__ = ["ALIGNED_ARGS", "BLOCK_H", "GLUON_TRITON_VERSIONS", "GLUON_UNAVAILABLE", "HAS_GLUON", "PortableKernelWarning",
+           "check_plan", "few_heads_block", "gluon_version_supported", "make_launch", "plan_launch", "supported",
+           "warn_portable_on_sm90"]

@@ -777,6 +777,58 @@ def test_capability_choices_on_rocm(monkeypatch):
     assert not _launch.float8_conversions(torch.device("cpu"))
 
 
+def test_portable_kernel_warning_on_sm90(monkeypatch):
+    """Where this Triton gives no Hopper kernels, an sm_90 GPU's call that one would serve runs the
+    portable kernel, slower at the models' shapes: ``warn_portable_on_sm90`` says so once per operator, with the
+    reason, and says nothing for other devices, other layouts or where the Hopper kernels exist. (The
+    launchers' calls of it: the interpreter tests ``test_triton_interpreter_warns_without_hopper_kernels``
+    of ``test_sparse_mla.py`` and ``test_sparse_gqa.py``.)"""
+    import warnings
+
+    from torch_sparse_mla.ops import sparse_mla_hopper as hopper
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(_launch, "_CAPABILITY", {0: (9, 0)})
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(hopper, "_WARNED", set())
+    monkeypatch.setattr(hopper, "HAS_GLUON", False)
+    monkeypatch.setattr(hopper, "GLUON_UNAVAILABLE", "triton 3.10.0 is not a release the Hopper kernels are "
+                                                     "written for (3.6, 3.7, 3.8, 3.9)")
+    with pytest.warns(hopper.PortableKernelWarning, match=r"sparse_mla_decode runs its portable Triton kernel on "
+                      r"this sm_90 GPU.*triton 3\.10\.0 is not a release.*A triton from 3\.6 to 3\.9"):
+        hopper.warn_portable_on_sm90("sparse_mla_decode", gpu, True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hopper.warn_portable_on_sm90("sparse_mla_decode", gpu, True)  # once per operator
+        hopper.warn_portable_on_sm90("sparse_gqa_decode", gpu, False)  # a layout the Hopper kernel refuses
+        hopper.warn_portable_on_sm90("sparse_gqa_decode", torch.device("cpu"), True)
+        _launch._CAPABILITY[0] = (8, 0)
+        hopper.warn_portable_on_sm90("sparse_gqa_decode", gpu, True)  # not sm_90
+        _launch._CAPABILITY[0] = (9, 0)
+        monkeypatch.setattr(torch.version, "hip", "6.4.43482")
+        hopper.warn_portable_on_sm90("sparse_gqa_decode", gpu, True)  # an MI200
+        monkeypatch.setattr(torch.version, "hip", None)
+        monkeypatch.setattr(hopper, "HAS_GLUON", True)
+        hopper.warn_portable_on_sm90("sparse_gqa_decode", gpu, True)  # the Hopper kernels exist
+    monkeypatch.setattr(hopper, "HAS_GLUON", False)
+    with pytest.warns(hopper.PortableKernelWarning, match="sparse_gqa_decode"):
+        hopper.warn_portable_on_sm90("sparse_gqa_decode", gpu, True)
+
+
+def test_gluon_unavailable_reason():
+    """The reason given where a Triton release is outside ``GLUON_TRITON_VERSIONS`` (a new process that
+    sees triton's version as 3.10.0 when the package is imported)."""
+    if not _launch.HAS_TRITON:
+        pytest.skip("needs triton")
+    code = ("import triton; triton.__version__ = '3.10.0'; from torch_sparse_mla.ops import sparse_mla_hopper as h; "
+            "print(h.HAS_GLUON, '|', h.GLUON_UNAVAILABLE)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().splitlines()[-1] == ("False | triton 3.10.0 is not a release the Hopper kernels "
+                                                      "are written for (3.6, 3.7, 3.8, 3.9)"), result.stdout
+
+
 def test_shared_memory_per_block(monkeypatch):
     """The shared memory the portable sparse-MLA planner fits its tiles to: the device's opt-in size,
     else (a build whose properties report none) its plain per-block size, else the sm_90 figure."""
