@@ -283,6 +283,38 @@ def test_layout_supported_refuses_what_the_hopper_kernels_cannot_serve():
     assert not mla(q, cache, "fp8_656", 512, shifted((8, 64, 656), torch.uint8, 2))  # the extra cache's base
 
 
+@requires_interpreter
+@pytest.mark.parametrize("op", ["sparse_mla_decode", "sparse_gqa_decode"])
+def test_triton_interpreter_warns_without_hopper_kernels(monkeypatch, op):
+    """Where this Triton gives no Hopper kernels each attention launcher asks ``warn_portable_on_sm90``
+    (which warns on an sm_90 GPU only: ``test_library.py::test_portable_kernel_warning_on_sm90``) once
+    per plan, with the Hopper kernel's layout verdict; with ``path="portable"`` or the Hopper kernels
+    present it does not ask."""
+    ops = mla_ops if op == "sparse_mla_decode" else gqa_ops
+    calls = []
+    monkeypatch.setattr(ops.hopper, "warn_portable_on_sm90", lambda *a: calls.append(a))
+    monkeypatch.setattr(ops, "_PLANS", ops.PlanCache())
+    if op == "sparse_mla_decode":
+        kwargs = mla_inputs(Spec(kv_format="fp8_656", T=1, H=16, K=64, dtype=F16), seed=0)
+        q, layout = kwargs["q"], ops.hopper.layout_supported(kwargs["q"], kwargs["kv_cache"], "fp8_656", 512, None)
+
+        def call(path):
+            out, lse = _outputs_like(kwargs)
+            ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=1, path=path)
+    else:
+        args, _ = gqa_inputs(Cfg(hq=8, hkv=1, dh=64, page_size=16, dql=4, batch=2, n_sel=6), seed=3)
+        q, layout = args["q"], ops.hopper.layout_supported(args["q"], args["kv_cache"])
+
+        def call(path):
+            ops.sparse_gqa_decode_triton(*args.values(), out=_out_buffer(args), num_splits=1, path=path)
+    for has_gluon, path in ((False, "portable"), (False, None), (False, None), (True, None)):
+        monkeypatch.setattr(ops.hopper, "HAS_GLUON", has_gluon)
+        if has_gluon:  # a plan made afresh (the plans' key holds the path, not this)
+            monkeypatch.setattr(ops, "_PLANS", ops.PlanCache())
+        call(path)
+    assert calls == [(op, q.device, layout)]
+
+
 @pytest.mark.parametrize("arch, target, backend", [("80", "sm_80", "nvidia"), ("gfx942", "gfx942", "amd")],
                          ids=["sm80", "gfx942"])
 def test_portable_kernels_compile_for_other_gpus(arch, target, backend):

@@ -781,8 +781,7 @@ def test_portable_kernel_warning_on_sm90(monkeypatch):
     """Where this Triton gives no Hopper kernels, an sm_90 GPU's call that one would serve runs the
     portable kernel, slower at the models' shapes: ``warn_portable_on_sm90`` says so once per operator, with the
     reason, and says nothing for other devices, other layouts or where the Hopper kernels exist. (The
-    launchers' calls of it: the interpreter tests ``test_triton_interpreter_warns_without_hopper_kernels``
-    of ``test_sparse_mla.py`` and ``test_sparse_gqa.py``.)"""
+    launchers' calls of it: ``test_kernel_domains.py::test_triton_interpreter_warns_without_hopper_kernels``.)"""
     import warnings
 
     from torch_sparse_mla.ops import sparse_mla_hopper as hopper

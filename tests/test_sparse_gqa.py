@@ -842,25 +842,6 @@ def test_triton_interpreter_matches_reference(cfg, num_splits):
 
 
 @requires_interpreter
-def test_triton_interpreter_warns_without_hopper_kernels(monkeypatch):
-    """Where this Triton gives no Hopper kernels the launcher asks ``warn_portable_on_sm90`` (which warns
-    on an sm_90 GPU only: ``test_library.py::test_portable_kernel_warning_on_sm90``) once per plan, with
-    the layout verdict of the Hopper kernel; with ``path="portable"`` or the Hopper kernels present it
-    does not ask."""
-    calls = []
-    monkeypatch.setattr(gqa_ops.hopper, "warn_portable_on_sm90", lambda *a: calls.append(a))
-    monkeypatch.setattr(gqa_ops, "_PLANS", gqa_ops.PlanCache())
-    args, _ = make_inputs(INTERPRETER_CASES[0], seed=3)
-    for has_gluon, path in ((False, "portable"), (False, None), (False, None), (True, None)):
-        monkeypatch.setattr(gqa_ops.hopper, "HAS_GLUON", has_gluon)
-        if has_gluon:  # a plan made afresh (the plans' key holds the path, not this)
-            monkeypatch.setattr(gqa_ops, "_PLANS", gqa_ops.PlanCache())
-        gqa_ops.sparse_gqa_decode_triton(*args.values(), out=_out_buffer(args), num_splits=1, path=path)
-    assert calls == [("sparse_gqa_decode", args["q"].device,
-                      gqa_ops.hopper.layout_supported(args["q"], args["kv_cache"]))]
-
-
-@requires_interpreter
 @pytest.mark.parametrize("typed", [False, True], ids=["as_bytes", "typed"])
 def test_triton_interpreter_float8_as_bytes_or_typed(typed, monkeypatch):
     """A float8 query and cache reach the portable kernel as their bytes (``uint8`` views, converted by

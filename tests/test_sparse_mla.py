@@ -624,26 +624,6 @@ def test_triton_interpreter_recorded_split_launches():
 
 
 @requires_interpreter
-def test_triton_interpreter_warns_without_hopper_kernels(monkeypatch):
-    """Where this Triton gives no Hopper kernels the launcher asks ``warn_portable_on_sm90`` (which warns
-    on an sm_90 GPU only: ``test_library.py::test_portable_kernel_warning_on_sm90``) once per plan, with
-    the layout verdict of the Hopper kernel; with ``path="portable"`` or the Hopper kernels present it
-    does not ask."""
-    calls = []
-    monkeypatch.setattr(mla_ops.hopper, "warn_portable_on_sm90", lambda *a: calls.append(a))
-    monkeypatch.setattr(mla_ops, "_PLANS", mla_ops.PlanCache())
-    kwargs = make_inputs(Spec(kv_format="fp8_656", T=1, H=16, K=64, dtype=torch.float16), seed=0)
-    for has_gluon, path in ((False, "portable"), (False, None), (False, None), (True, None)):
-        monkeypatch.setattr(mla_ops.hopper, "HAS_GLUON", has_gluon)
-        if has_gluon:  # a plan made afresh (the plans' key holds the path, not this)
-            monkeypatch.setattr(mla_ops, "_PLANS", mla_ops.PlanCache())
-        out, lse = _outputs_like(kwargs)
-        mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, num_splits=1, path=path)
-    assert calls == [("sparse_mla_decode", kwargs["q"].device,
-                      mla_ops.hopper.layout_supported(kwargs["q"], kwargs["kv_cache"], "fp8_656", 512, None))]
-
-
-@requires_interpreter
 @pytest.mark.parametrize("fan_out,steps", [(True, False), (True, True), (False, False)],
                          ids=["fan-out", "fan-out-steps", "per-split"])
 def test_triton_interpreter_both_combines(monkeypatch, fan_out, steps):
