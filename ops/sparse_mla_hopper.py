@@ -51,6 +51,8 @@ Gluon does not run under the Triton interpreter: these kernels are tested on the
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..meta_kernels._formats import FORMAT_IDS
@@ -1164,8 +1166,6 @@ def warn_portable_on_sm90(op: str, device: torch.device, layout_ok: bool) -> Non
     if HAS_GLUON or not layout_ok or op in _WARNED or device.type != "cuda" or not _is_sm90(device):
         return
     _WARNED.add(op)
-    import warnings
-
     warnings.warn(f"torch_sparse_mla: {op} runs its portable Triton kernel on this sm_90 GPU, not its Hopper "
                   f"kernel, which is faster at the models' shapes: {GLUON_UNAVAILABLE}. A triton "
                   f"from {'%d.%d' % GLUON_TRITON_VERSIONS[0]} to {'%d.%d' % GLUON_TRITON_VERSIONS[-1]} gives "
