@@ -99,10 +99,16 @@ class _StopAfterTTIR(Exception):
 def _ttir_only(enabled: bool) -> None:
     if not enabled:
         return
-    from triton.backends.amd.compiler import HIPBackend
     from triton.backends.nvidia.compiler import CUDABackend
 
-    for backend in (CUDABackend, HIPBackend):
+    backends = [CUDABackend]
+    try:  # a Triton built without its AMD backend compiles for NVIDIA targets only
+        from triton.backends.amd.compiler import HIPBackend
+
+        backends.append(HIPBackend)
+    except ImportError:
+        pass
+    for backend in backends:
         def add_stages(self, stages, options, *rest, _original=backend.add_stages):
             _original(self, stages, options, *rest)
             make_ttir = stages["ttir"]
