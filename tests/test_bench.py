@@ -11,6 +11,7 @@ import importlib
 import pytest
 import torch
 
+from common import HAS_TRITON
 from torch_sparse_mla.bench import common
 
 FAMILIES = ("mla", "gqa", "metadata", "kv_cache")
@@ -153,7 +154,8 @@ def test_main_writes_every_table(tmp_path, monkeypatch, capsys):
     assert cli.main(["all", "--out", str(tmp_path / "none.md")]) == 2
     assert "needs Triton" in capsys.readouterr().err and not (tmp_path / "none.md").exists()
     monkeypatch.undo()
-    pytest.importorskip("triton", reason="needs Triton (pip install triton; Linux): the benchmark times its kernels")
+    if not HAS_TRITON:
+        pytest.skip("needs Triton (pip install triton; Linux): the benchmark times its kernels")
 
     monkeypatch.setattr(common, "REFERENCE_BACKEND", "aot_eager")
     monkeypatch.setattr(common, "graph_us", lambda fn, calls=1, clean_l2=False: (fn(), 8.0 if clean_l2 else 10.0)[1])
@@ -209,7 +211,8 @@ def test_floor_kernel_reads_and_writes_the_bytes_it_counts(read, written):
     plus their positions. (On a GPU the benchmark runs it; here its arithmetic is checked.)"""
     if torch.cuda.is_available():
         pytest.skip("checked under the Triton interpreter on CPU; the benchmark runs it on the GPU")
-    pytest.importorskip("triton", reason="needs Triton (pip install triton; Linux): the floor is a Triton kernel")
+    if not HAS_TRITON:
+        pytest.skip("needs Triton (pip install triton; Linux): the floor is a Triton kernel")
     from torch_sparse_mla.bench import floor
 
     programs, write, n_read, n_write = floor.plan(read, written)
