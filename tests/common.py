@@ -11,11 +11,12 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+# Whether Triton is usable: the package's own answer (it imports Triton, or stands in for one it cannot
+# import; conftest.py has set TRITON_INTERPRET before this import). Triton is a dependency on Linux only:
+# elsewhere (macOS, Windows) the CPU kernels run without it and the tests of the Triton kernels are skipped.
+from torch_sparse_mla.ops._triton import HAS_TRITON
+
 HAS_CUDA = torch.cuda.is_available()
-# Triton is a dependency on Linux only: elsewhere (macOS, Windows) the CPU kernels run without it, and
-# the tests of the Triton kernels are skipped. The package's own answer (it imports Triton, or stands in
-# for a Triton it cannot import), imported after conftest.py has set TRITON_INTERPRET.
-from torch_sparse_mla.ops._triton import HAS_TRITON  # noqa: E402
 INTERPRETER = os.environ.get("TRITON_INTERPRET") == "1" and HAS_TRITON
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -100,10 +101,10 @@ def requires_cuda(test):
 
 
 def _hopper_kernels_usable() -> bool:
-    from torch_sparse_mla.ops.sparse_mla_hopper import HAS_GLUON
+    from torch_sparse_mla.ops.sparse_mla_hopper import HAS_GLUON, _is_sm90
 
-    # not an MI200 of a ROCm build, whose GFX version is also (9, 0)
-    return HAS_CUDA and torch.version.hip is None and torch.cuda.get_device_capability() == (9, 0) and HAS_GLUON
+    # the launchers' own test of the device (not an MI200 of a ROCm build, whose GFX version is (9, 0))
+    return HAS_CUDA and HAS_GLUON and _is_sm90(torch.device("cuda"))
 
 
 _skip_without_hopper = pytest.mark.skipif(
