@@ -67,6 +67,11 @@ from ._triton import HAS_TRITON, release, triton
 GLUON_TRITON_VERSIONS = ((3, 6), (3, 7), (3, 8), (3, 9))
 
 
+def _release_names() -> list[str]:
+    """:data:`GLUON_TRITON_VERSIONS` as "3.6", "3.7", ... (for messages)."""
+    return ["%d.%d" % v for v in GLUON_TRITON_VERSIONS]
+
+
 def gluon_version_supported(version: str) -> bool:
     """Whether Triton ``version`` (``triton.__version__``: "3.8.0", "3.6.0+git1a2b3c") is one of
     :data:`GLUON_TRITON_VERSIONS`."""
@@ -78,7 +83,7 @@ HAS_GLUON = False
 GLUON_UNAVAILABLE: str | None = None
 if HAS_TRITON and not gluon_version_supported(triton.__version__):
     GLUON_UNAVAILABLE = (f"triton {triton.__version__} is not a release the Hopper kernels are written for "
-                         f"({', '.join('%d.%d' % v for v in GLUON_TRITON_VERSIONS)})")
+                         f"({', '.join(_release_names())})")
 elif HAS_TRITON:
     try:
         from triton.experimental import gluon
@@ -1168,7 +1173,7 @@ def warn_portable_on_sm90(op: str, device: torch.device, layout_ok: bool) -> Non
     _WARNED.add(op)
     warnings.warn(f"torch_sparse_mla: {op} runs its portable Triton kernel on this sm_90 GPU, not its Hopper "
                   f"kernel, which is faster at the models' shapes: {GLUON_UNAVAILABLE}. A triton "
-                  f"from {'%d.%d' % GLUON_TRITON_VERSIONS[0]} to {'%d.%d' % GLUON_TRITON_VERSIONS[-1]} gives "
+                  f"from {_release_names()[0]} to {_release_names()[-1]} gives "
                   "them. (Said once per operator.)", PortableKernelWarning, stacklevel=2)
 
 
