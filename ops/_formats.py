@@ -14,7 +14,9 @@ The host-side facts and layout checks (``FORMAT_IDS``, ``cache_dim``, ``check_kv
 - ``load_fp8_656_raw`` / ``load_fp8_656_scales`` (Triton): an fp8_656 scale group's raw e4m3 values
   and the four per-row scales apart, for callers that apply the scale after an exact product;
 - ``e2m1_reencode_ptx``: the inline PTX that turns four bytes of the sparse-GQA NVFP4 cache (eight
-  E2M1 codes) into float16, shared by its portable and Hopper decode kernels.
+  E2M1 codes) into float16 through the hardware's e4m3 conversion (the portable decode kernel);
+  ``e2m1_place_ptx``: the same values as float16 bits placed by integer operations and byte permutes
+  (the Hopper decode kernel).
 
 Layouts (bytes of one token or page; ``stride(0)`` is the page stride and may include padding):
 
@@ -308,4 +310,27 @@ def e2m1_reencode_ptx(src: str, lo: tuple[str, str], hi: tuple[str, str]) -> str
     lines = ([f"and.b32 z, {src}, 0x88888888;", f"shl.b32 t, {src}, 2;", "shl.b32 u, z, 4;",
               "lop3.b32 e, t, u, 0x1C1C1C1C, 0xE4;"] + convert(lo)
              + [f"shr.b32 t, {src}, 2;", "lop3.b32 e, t, z, 0x1C1C1C1C, 0xE4;"] + convert(hi))
+    return "".join(line + "\n" for line in lines)
+
+
+def e2m1_place_ptx(src: str, lo: tuple[str, str], hi: tuple[str, str]) -> str:
+    """PTX lines turning the four bytes of register ``src`` (eight E2M1 codes) into float16 values times
+    ``2**-14``, exactly, with integer operations only: the low nibbles' values into registers ``lo``
+    (bytes 0, 1 and bytes 2, 3, two float16 each) and the high nibbles' into ``hi``, as
+    :func:`e2m1_reencode_ptx` lays them out. A float16 whose sign is the nibble's sign bit, whose
+    exponent field is ``0 0 0 e1 e0`` and whose top mantissa bit is the E2M1 mantissa bit (bits 15 and
+    9-11 of the half, every other bit 0) is the E2M1 value times ``2**-14``: for ``e = 0`` a float16
+    subnormal, ``m * 2**-15``. So each nibble becomes the byte ``s 0 0 0 e1 e0 m 0`` (six operations per
+    four bytes, as for the e4m3 re-encoding: ``z`` the sign bits, one ``lop3`` per half taking bits 1-3
+    of each byte from the shifted magnitudes and the rest from ``z``, shifted for the low nibbles), and
+    one byte permute per two values puts two such bytes into the high bytes of a float16 pair. The
+    caller declares ``.reg .b32 t, u, e, z``."""
+    def spread(out: tuple[str, str]) -> list[str]:
+        # bytes 0, 1 (then 2, 3) of e into the high bytes of the two halves, zeros below (selector 4:
+        # byte 0 of the zero operand)
+        return [f"prmt.b32 {out[0]}, e, 0, 0x1404;", f"prmt.b32 {out[1]}, e, 0, 0x3424;"]
+    # lop3 0xE4: c ? a : b, with c = 0x0E0E0E0E (bits 1-3 of each byte)
+    lines = ([f"and.b32 z, {src}, 0x88888888;", f"shl.b32 t, {src}, 1;", "shl.b32 u, z, 4;",
+              "lop3.b32 e, t, u, 0x0E0E0E0E, 0xE4;"] + spread(lo)
+             + [f"shr.b32 t, {src}, 3;", "lop3.b32 e, t, z, 0x0E0E0E0E, 0xE4;"] + spread(hi))
     return "".join(line + "\n" for line in lines)

@@ -38,7 +38,7 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
 For an NVFP4 cache (the same kernel, ``NQ = 0``) the structure and the producer are the same;
 its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its consumers
 expand V into a float16 tile and K straight into the registers of the ``Q K^T`` MMA's A operand
-(``value * scale * 2**-6``, exact) and run float16 ``wgmma``; the query is staged as float16 in K's
+(``value * scale * 2**-7``, exact) and run float16 ``wgmma``; the query is staged as float16 in K's
 column order (``_nv_kdim``), the V tile's columns are in ``_nv_dim`` order (undone by the epilogue).
 
 Requirements (:func:`supported`; anything else takes the portable kernel): an sm_90 device, a bfloat16
@@ -54,7 +54,7 @@ from __future__ import annotations
 import torch
 
 from ..meta_kernels.sparse_gqa import is_nvfp4, kv_heads
-from ._formats import e2m1_reencode_ptx
+from ._formats import e2m1_place_ptx
 from ._launch import KernelLaunch, LaunchPlan, cdiv, hopper_ptx_options, next_pow2
 from .sparse_mla_hopper import HAS_GLUON, _is_sm90, warn_portable_on_sm90
 
@@ -596,30 +596,30 @@ if HAS_GLUON:
     # Sixteen data bytes of two 16-value groups (registers $16, $17 the first group's bytes 0-7, $18, $19
     # the second's; value 2i of a group is the low nibble of its byte i, 2i + 1 the high nibble) and the
     # two groups' E4M3 scales (the low two bytes of $20, the first group's lowest; $21..$35 are copies)
-    # -> the float16 of each value * its group's scale * 2**-6, exactly. Each nibble is re-encoded as an
-    # e4m3 byte (sign to bit 7, the three exponent and mantissa bits to bits 2-4: the e4m3 value is the
-    # E2M1 value * 2**-6, subnormals included), converted two at a time by the hardware and multiplied by
-    # the float16 scale (the product has at most 6 significant bits, inside float16's exact range). One
-    # conversion gives both scales; each multiply takes one of them as a float16 pair (ptxas selects the
-    # half in the multiply itself: no byte moves). Results: the low-nibble values ($0..$3 the first
-    # group's bytes 0..7, $4..$7 the second's), then the high-nibble values ($8..$15); callers keep
-    # that order (the dims permuted, see ``_nv_dim``). The re-encoding (``e2m1_reencode_ptx``) is the
-    # portable kernel's. Taking one group and one scale byte per instance instead costs two byte moves
-    # and one more conversion per two groups (docs/sparse_gqa_hopper.md, "Fewer instructions per block").
+    # -> the float16 of each value * its group's scale * 2**-7, exactly. Each nibble becomes the float16
+    # of its E2M1 value * 2**-14 by integer operations and byte permutes (``e2m1_place_ptx``: bits placed,
+    # subnormals included, no conversion instruction), multiplied by the float16 scale * 2**7 (exact: at
+    # most 448 * 128; the product has at most 6 significant bits and lies in [2**-17, 21], inside
+    # float16's exact range). One conversion and one multiply give both scales; each multiply takes one
+    # of them as a float16 pair (ptxas selects the half in the multiply itself: no byte moves). Results:
+    # the low-nibble values ($0..$3 the first group's bytes 0..7, $4..$7 the second's), then the
+    # high-nibble values ($8..$15); callers keep that order (the dims permuted, see ``_nv_dim``). Until
+    # this form each nibble was re-encoded as e4m3 and converted by ``cvt.rn.f16x2.e4m3x2`` (the portable
+    # kernel's ``e2m1_reencode_ptx``; docs/sparse_gqa_hopper.md, "Bit placement instead of conversions").
     _FP4X32_TO_F16 = gl.constexpr(
-        "{\n.reg .b32 t, u, e, z, c, c0, c1;\n.reg .b16 e0, e1, s0, s1, h0, h1;\n"
-        "mov.b32 {s0, s1}, $20;\ncvt.rn.f16x2.e4m3x2 c, s0;\nmov.b32 {h0, h1}, c;\n"
-        "mov.b32 c0, {h0, h0};\nmov.b32 c1, {h1, h1};\n"
-        + e2m1_reencode_ptx("$16", ("$0", "$1"), ("$8", "$9")) + e2m1_reencode_ptx("$17", ("$2", "$3"), ("$10", "$11"))
-        + e2m1_reencode_ptx("$18", ("$4", "$5"), ("$12", "$13"))
-        + e2m1_reencode_ptx("$19", ("$6", "$7"), ("$14", "$15"))
+        "{\n.reg .b32 t, u, e, z, c, c0, c1;\n.reg .b16 s0, s1, h0, h1;\n"
+        "mov.b32 {s0, s1}, $20;\ncvt.rn.f16x2.e4m3x2 c, s0;\nmov.b32 t, 0x58005800;\nmul.rn.f16x2 c, c, t;\n"
+        "mov.b32 {h0, h1}, c;\nmov.b32 c0, {h0, h0};\nmov.b32 c1, {h1, h1};\n"
+        + e2m1_place_ptx("$16", ("$0", "$1"), ("$8", "$9")) + e2m1_place_ptx("$17", ("$2", "$3"), ("$10", "$11"))
+        + e2m1_place_ptx("$18", ("$4", "$5"), ("$12", "$13"))
+        + e2m1_place_ptx("$19", ("$6", "$7"), ("$14", "$15"))
         + "".join(f"mul.rn.f16x2 ${i}, ${i}, c0;\n" for i in (0, 1, 2, 3, 8, 9, 10, 11))
         + "".join(f"mul.rn.f16x2 ${i}, ${i}, c1;\n" for i in (4, 5, 6, 7, 12, 13, 14, 15)) + "}\n")
 
     @gluon.jit
     def _fp4_expand2(data, pair):
         """float16 ``lo, hi`` (each shaped as ``data``) of the E2M1 bytes ``data [..., 2, 8]`` (two scale
-        groups, a thread's 16 bytes in one instance) times their group's E4M3 scale times ``2**-6``:
+        groups, a thread's 16 bytes in one instance) times their group's E4M3 scale times ``2**-7``:
         the low nibbles' values and the high nibbles'. ``pair`` (int32, same shape) holds the first
         group's scale byte in bits 0-7 and the second's in bits 8-15."""
         return gl.inline_asm_elementwise(_FP4X32_TO_F16,
@@ -645,7 +645,7 @@ if HAS_GLUON:
     def _nv_kregs(dat, sc, stage, A_L: gl.constexpr):
         """Stage ``stage`` of the K data ring ``dat`` [NR, 64 keys, 64 bytes] with its scales ``sc``
         [NR, 32, 16] (a key's 8 group scales in a row) as the float16 ``A`` operand of ``S^T = K Q^T``
-        in registers (layout ``A_L``; values times ``2**-6``, columns in ``_nv_kdim`` order). A thread
+        in registers (layout ``A_L``; values times ``2**-7``, columns in ``_nv_kdim`` order). A thread
         loads the 16 bytes (two groups) of each of its two keys that its ``A`` fragment needs, so the
         expanded values land in the fragment with no shuffle and no shared-memory round trip."""
         # [64 keys, 4 lane columns, 2 groups, 8 bytes]: warp w, lane l hold keys 16 w + l // 4 and
@@ -720,7 +720,7 @@ if HAS_GLUON:
     @gluon.jit
     def _nv_vtile(dat, sc, stage, limit, tile):
         """Expand stage ``stage`` of the V data ring ``dat`` [NR, 64 keys, 64 bytes] with its scales
-        ``sc`` (a [64 keys, 8 groups] view) into the float16 ``tile`` [64, 128] (values times ``2**-6``,
+        ``sc`` (a [64 keys, 8 groups] view) into the float16 ``tile`` [64, 128] (values times ``2**-7``,
         the columns in ``_nv_dim`` order), the whole block at once (in parts, the compiler would put a
         barrier between the stores into the tile); the scales of the block's keys from ``limit`` on are
         zeroed (their values become exact zeros, whatever bytes the cache holds there)."""
@@ -754,7 +754,7 @@ if HAS_GLUON:
                      HAS_K_SCALE: gl.constexpr, HAS_V_SCALE: gl.constexpr, SPLIT: gl.constexpr,
                      LAZY: gl.constexpr):
         """As ``_consumer``, for an NVFP4 cache: per block it expands V into its own float16 tile and K
-        into registers (values times ``2**-6``), frees the raw stage, and runs ``S^T = K Q^T`` (float16
+        into registers (values times ``2**-7``), frees the raw stage, and runs ``S^T = K Q^T`` (float16
         ``wgmma``, K from registers) and ``O^T += V^T P^T``."""
         pid = gl.program_id(0)
         t, g, hb, split, blk_lo, blk_hi = _cta_range(pid, num_kv_heads, num_head_blocks, num_splits,
@@ -766,8 +766,8 @@ if HAS_GLUON:
         KEYS: gl.constexpr = gl.SliceLayout(1, S_L)
         HEADS: gl.constexpr = gl.SliceLayout(0, S_L)
         SC3: gl.constexpr = gl.SwizzledSharedLayout(vec=1, per_phase=1, max_phase=1, order=[2, 1, 0])
-        # the score factor also undoes the 2**-6 of the expanded K
-        qk = _consumer_start(down, qk_scale * 64.0, k_scale_ptr, q_ready, pages_ready, HEADS, CID, HAS_K_SCALE)
+        # the score factor also undoes the 2**-7 of the expanded K
+        qk = _consumer_start(down, qk_scale * 128.0, k_scale_ptr, q_ready, pages_ready, HEADS, CID, HAS_K_SCALE)
         j_lo = blk_lo // CPB
 
         zero_s = gl.zeros([_BN, HB], gl.float32, layout=S_L)
@@ -800,7 +800,7 @@ if HAS_GLUON:
             vec=1, per_phase=1, max_phase=1, order=[1, 0])).slice(0, 128)
         _merge_and_store(o, m_i, gl.sum(l_rows, axis=0), t, g, hb, split, group, num_kv_heads, num_splits,
                          v_scale, v_scale_ptr, out_ptr, stride_ot, stride_oh, stride_od, ws_ptr, ws_rows, o_buf,
-                         ml_smem, merge_ready, 64.0, CID, HB, HAS_V_SCALE, SPLIT, 1)
+                         ml_smem, merge_ready, 128.0, CID, HB, HAS_V_SCALE, SPLIT, 1)
 
     @gluon.jit
     def _any_consumer(q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,

@@ -1051,7 +1051,7 @@ def test_nvfp4_hopper_decoder_ptx():
     scale bytes in, thirty-two float16 out), run through the instruction model for every data byte in
     every position, the scales cycling through normal, subnormal and zero ones (a different one for
     each group): output element k of the low / high half (k < 8 the first group's byte k, else the
-    second's byte k - 8) is that byte's low / high nibble as E2M1 * its group's scale * 2**-6 (the GPU
+    second's byte k - 8) is that byte's low / high nibble as E2M1 * its group's scale * 2**-7 (the GPU
     tests run the real thing)."""
     from torch_sparse_mla.ops import sparse_gqa_hopper
 
@@ -1070,7 +1070,7 @@ def test_nvfp4_hopper_decoder_ptx():
             outs = _run_ptx(asm, 0, regs, n_out=16)
             halves = [(outs[h * 8 + pos // 2] >> (16 * (pos % 2))) & 0xFFFF for h in (0, 1)]
             got = [float(np.array([x], dtype=np.uint16).view(np.float16)[0]) for x in halves]
-            want = [E2M1_TABLE[byte & 15].item() * s * 2.0**-6, E2M1_TABLE[byte >> 4].item() * s * 2.0**-6]
+            want = [E2M1_TABLE[byte & 15].item() * s * 2.0**-7, E2M1_TABLE[byte >> 4].item() * s * 2.0**-7]
             assert got == want, (first, second, byte, pos)
 
 
