@@ -39,13 +39,19 @@ def test_demo_main_path(capsys):
 
 def _without_triton(tmp_path) -> dict:
     """The environment of a subprocess that sees no usable Triton: a ``triton`` that refuses to import
-    first on the path (a stand-in for none installed, as on macOS or Windows)."""
+    first on the path (a stand-in for none installed, as on macOS or Windows). The package comes from
+    where this process imported it: an editable checkout, an installed wheel or the package copy of
+    ``scripts/gpu_suite.sh`` (the repository root first on the path would shadow the last two with the
+    source folder, which lacks ``ops/``)."""
     import os
+
+    import torch_sparse_mla
 
     (tmp_path / "triton").mkdir()
     (tmp_path / "triton" / "__init__.py").write_text("raise ImportError('no triton here')\n")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tmp_path), str(ROOT), env.get("PYTHONPATH"))))
+    package_parent = os.path.dirname(os.path.dirname(os.path.abspath(torch_sparse_mla.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, (str(tmp_path), package_parent, env.get("PYTHONPATH"))))
     return env
 
 
