@@ -13,10 +13,8 @@ The host-side facts and layout checks (``FORMAT_IDS``, ``cache_dim``, ``check_kv
   values, decoded in registers (no dequantised copy of the cache ever exists in memory);
 - ``load_fp8_656_raw`` / ``load_fp8_656_scales`` (Triton): an fp8_656 scale group's raw e4m3 values
   and the four per-row scales apart, for callers that apply the scale after an exact product;
-- ``e2m1_reencode_ptx``: the inline PTX that turns four bytes of the sparse-GQA NVFP4 cache (eight
-  E2M1 codes) into float16 through the hardware's e4m3 conversion (the portable decode kernel);
-  ``e2m1_place_ptx``: the same values as float16 bits placed by integer operations and byte permutes
-  (the Hopper decode kernel).
+- ``e2m1_place_ptx``: the inline PTX that turns four bytes of the sparse-GQA NVFP4 cache (eight E2M1
+  codes) into float16 bits placed by integer operations and byte permutes (both decode kernels).
 
 Layouts (bytes of one token or page; ``stride(0)`` is the page stride and may include padding):
 
@@ -295,46 +293,27 @@ def load_fp8_656_scales(cache_ptr, stride_page, page_size, slots, valid):
     return s0, s1, s2, s3
 
 
-def _nibble_bytes_ptx(src: str, lo_shift: int, hi_shift: int, field: int, lo_out: list[str],
-                      hi_out: list[str]) -> str:
-    """The integer half of both E2M1 expansions below: each nibble of register ``src`` into a byte
-    ``e`` (the low nibbles, then ``lo_out``; the high nibbles, then ``hi_out``) with its sign in bit 7
-    and its three magnitude bits in the bits of ``field``, in six operations per four bytes: with ``z``
-    the sign bits of all eight nibbles, one ``lop3`` per half takes the bits of ``field`` from the
-    magnitudes shifted into place (left by ``lo_shift``, right by ``hi_shift``) and the rest (bit 7
-    the sign, else 0) from ``z``, shifted for the low nibbles."""
-    # lop3 0xE4: c ? a : b, with c = field
-    lines = ([f"and.b32 z, {src}, 0x88888888;", f"shl.b32 t, {src}, {lo_shift};", "shl.b32 u, z, 4;",
-              f"lop3.b32 e, t, u, 0x{field:08X}, 0xE4;"] + lo_out
-             + [f"shr.b32 t, {src}, {hi_shift};", f"lop3.b32 e, t, z, 0x{field:08X}, 0xE4;"]
-             + hi_out)
-    return "".join(line + "\n" for line in lines)
-
-
-def e2m1_reencode_ptx(src: str, lo: tuple[str, str], hi: tuple[str, str]) -> str:
-    """PTX lines turning the four bytes of register ``src`` (eight E2M1 codes) into float16 values times
-    ``2**-6``, exactly: the low nibbles' values into registers ``lo`` (bytes 0, 1 and bytes 2, 3, two
-    float16 each) and the high nibbles' into ``hi``. Each nibble is re-encoded as an e4m3 byte (sign to
-    bit 7, the three exponent and mantissa bits to bits 2-4: the e4m3 value is the E2M1 value times
-    ``2**-6``, subnormals included; :func:`_nibble_bytes_ptx`) and ``cvt.rn.f16x2.e4m3x2`` converts two
-    at a time. The caller declares ``.reg .b32 t, u, e, z`` and ``.reg .b16 e0, e1``."""
-    def convert(out: tuple[str, str]) -> list[str]:
-        return ["mov.b32 {e0, e1}, e;", f"cvt.rn.f16x2.e4m3x2 {out[0]}, e0;", f"cvt.rn.f16x2.e4m3x2 {out[1]}, e1;"]
-    return _nibble_bytes_ptx(src, 2, 2, 0x1C1C1C1C, convert(lo), convert(hi))
-
-
 def e2m1_place_ptx(src: str, lo: tuple[str, str], hi: tuple[str, str]) -> str:
     """PTX lines turning the four bytes of register ``src`` (eight E2M1 codes) into float16 values times
     ``2**-14``, exactly, with integer operations only: the low nibbles' values into registers ``lo``
-    (bytes 0, 1 and bytes 2, 3, two float16 each) and the high nibbles' into ``hi``, as
-    :func:`e2m1_reencode_ptx` lays them out. A float16 whose sign is the nibble's sign bit, whose
-    exponent field is ``0 0 0 e1 e0`` and whose top mantissa bit is the E2M1 mantissa bit (bits 15 and
-    9-11 of the half, every other bit 0) is the E2M1 value times ``2**-14``: for ``e = 0`` a float16
-    subnormal, ``m * 2**-15``. So each nibble becomes the byte ``s 0 0 0 e1 e0 m 0``
-    (:func:`_nibble_bytes_ptx` with bits 1-3), and one byte permute per two values puts two such bytes
-    into the high bytes of a float16 pair. The caller declares ``.reg .b32 t, u, e, z``."""
+    (bytes 0, 1 and bytes 2, 3, two float16 each) and the high nibbles' into ``hi``. A float16 whose
+    sign is the nibble's sign bit, whose exponent field is ``0 0 0 e1 e0`` and whose top mantissa bit is
+    the E2M1 mantissa bit (bits 15 and 9-11 of the half, every other bit 0) is the E2M1 value times
+    ``2**-14``: for ``e = 0`` a float16 subnormal, ``m * 2**-15``. So each nibble becomes the byte
+    ``s 0 0 0 e1 e0 m 0``, in six operations per four bytes: with ``z`` the sign bits of all eight
+    nibbles, one ``lop3`` per half takes bits 1-3 from the magnitudes shifted into place (left by 1 for
+    the low nibbles, right by 3 for the high ones) and the rest (bit 7 the sign, else 0) from ``z``,
+    shifted for the low nibbles. Then one byte permute per two values puts two such bytes into the high
+    bytes of a float16 pair, zeros below. The caller declares ``.reg .b32 t, u, e, z``. (Until the
+    portable kernel took this form too, it re-encoded each nibble as an e4m3 byte, the E2M1 value times
+    ``2**-6``, and converted two at a time with ``cvt.rn.f16x2.e4m3x2``, a conversion GPUs before sm_89
+    lack; ``docs/sparse_gqa.md``, "Decode: ``_sparse_gqa_decode_kernel``".)"""
     def spread(out: tuple[str, str]) -> list[str]:
         # bytes 0, 1 (then 2, 3) of e into the high bytes of the two halves, zeros below (selector 4:
         # byte 0 of the zero operand)
         return [f"prmt.b32 {out[0]}, e, 0, 0x1404;", f"prmt.b32 {out[1]}, e, 0, 0x3424;"]
-    return _nibble_bytes_ptx(src, 1, 3, 0x0E0E0E0E, spread(lo), spread(hi))
+    # lop3 0xE4: c ? a : b, with c = the field of bits 1-3 of every byte
+    lines = ([f"and.b32 z, {src}, 0x88888888;", f"shl.b32 t, {src}, 1;", "shl.b32 u, z, 4;",
+              "lop3.b32 e, t, u, 0x0E0E0E0E, 0xE4;"] + spread(lo)
+             + [f"shr.b32 t, {src}, 3;", "lop3.b32 e, t, z, 0x0E0E0E0E, 0xE4;"] + spread(hi))
+    return "".join(line + "\n" for line in lines)

@@ -48,7 +48,7 @@ from ..meta_kernels.sparse_gqa import (
     is_nvfp4,
     kv_heads,
 )
-from ._formats import e2m1_reencode_ptx, e4m3_to_float32, written_slots
+from ._formats import e2m1_place_ptx, e4m3_to_float32, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, float8_conversions, multiprocessor_count,
                       next_pow2, prev_pow2, scratch, wait_for_prior_grid)
 from ._rounding import e4m3_to_f16_bits, e4m3_to_f32, load_as_f32
@@ -324,22 +324,22 @@ def _pow2_row_scale(rmax):
     return up, down
 
 
-# The PTX of ``_e2m1_x64_asm`` (one instance: four bytes in $4; low nibbles out in $0, $1 and high
+# The PTX of ``_e2m1_place_asm`` (one instance: four bytes in $4; low nibbles out in $0, $1 and high
 # nibbles in $2, $3, two float16 per register, byte k -> element k). tests/test_sparse_gqa.py runs it
 # through a small PTX model for every byte value.
-E2M1_X64_PTX = tl.constexpr("{\n.reg .b32 t, u, e, z;\n.reg .b16 e0, e1;\n"
-                            + e2m1_reencode_ptx("$4", ("$0", "$1"), ("$2", "$3")) + "}\n")
+E2M1_PLACE_PTX = tl.constexpr("{\n.reg .b32 t, u, e, z;\n" + e2m1_place_ptx("$4", ("$0", "$1"), ("$2", "$3")) + "}\n")
 
 
 @triton.jit
-def _e2m1_x64_asm(b):
+def _e2m1_place_asm(b):
     """GPU only: ``(lo, hi)`` float16 tensors shaped like the uint8 tensor ``b``: the E2M1 values of the
-    low and the high nibble of each byte, times ``2**-6`` (exact). Each nibble is re-encoded as an e4m3
-    byte (sign to bit 7, the 3 magnitude bits to bits 2-4: exponent field = E2M1 exponent, mantissa =
-    E2M1 mantissa, which is E2M1 * 2**-6 in e4m3, subnormals included) and converted two at a time by
-    the hardware, four bytes per instance."""
+    low and the high nibble of each byte, times ``2**-14`` (exact), placed as float16 bits by integer
+    operations and byte permutes, four bytes per instance (``_formats.e2m1_place_ptx``: the nibble's sign
+    to bit 15, its exponent bits to the low two bits of the exponent field and its mantissa bit to the
+    top mantissa bit; a zero exponent gives a float16 subnormal). No float8 conversion, so every CUDA GPU
+    runs it, those before sm_89 included."""
     return tl.inline_asm_elementwise(
-        asm=E2M1_X64_PTX,
+        asm=E2M1_PLACE_PTX,
         constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
@@ -351,27 +351,37 @@ def _e2m1_f32(code):
     return (mag | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
+#: What the NVIDIA path of ``_nvfp4_tile`` leaves on every value (``2**-7``): the kernel multiplies
+#: its score factor and its accumulators by this to undo it (exact: a power of two).
+NVFP4_GPU_MULT = tl.constexpr(128.0)
+
+
 @triton.jit
-def _nvfp4_scales(scale_bytes, x64, USE_ASM: tl.constexpr):
-    """The e4m3 scale bytes as the factors of ``_nvfp4_tile``: float16 ``scale * 64`` with the inline
-    decoder (its values carry 2**-6; exact, at most 448 * 64), float32 ``scale`` otherwise. ``x64`` is 64.0
-    as a float16 run-time value: the product with it keeps the compiler from moving the layout change of
-    the MMA operand before the decoding (which would shuffle bytes instead of using whole words). Before
-    sm_89 (no float8 conversions) the plain path serves the GPU too."""
+def _nvfp4_scales(scale_bytes, x128, USE_ASM: tl.constexpr):
+    """The e4m3 scale bytes as the factors of ``_nvfp4_tile``: on an NVIDIA GPU from sm_80 (``USE_ASM``)
+    float16 ``scale * 128`` (exact, at most 448 * 128 = 57,344; by the hardware conversion from sm_89, by
+    integer operations before), float32 ``scale`` otherwise (the interpreter, an AMD GPU). ``x128`` is 128.0 as a float16 run-time value: the
+    product with it keeps the compiler from moving the layout change of the MMA operand before the
+    decoding (which would shuffle bytes instead of using whole words)."""
     if USE_ASM and cuda_capability_geq(8, 9):
-        return scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * x64
+        return scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * x128
+    elif USE_ASM and cuda_capability_geq(8, 0):
+        return e4m3_to_f16_bits(scale_bytes) * x128
     else:
         return e4m3_to_f32(scale_bytes)
 
 
 @triton.jit
 def _nvfp4_tile(data, factors, USE_ASM: tl.constexpr):
-    """float16 ``(even, odd)`` shaped like ``data``: the values of dims ``2i`` and ``2i + 1`` of each key,
-    ``e2m1 * e4m3(scale)`` (exact in float16: at most 6 * 448, and a multiple of 2**-10), from the data
-    bytes (uint8, byte ``i`` of a key in the last dimension) and ``factors`` (``_nvfp4_scales`` broadcast
-    to ``data``'s shape: byte ``i`` takes scale ``i // 8``)."""
-    if USE_ASM and cuda_capability_geq(8, 9):
-        lo, hi = _e2m1_x64_asm(data)
+    """float16 ``(even, odd)`` shaped like ``data``: the values of dims ``2i`` and ``2i + 1`` of each key
+    from the data bytes (uint8, byte ``i`` of a key in the last dimension) and ``factors``
+    (``_nvfp4_scales`` broadcast to ``data``'s shape: byte ``i`` takes scale ``i // 8``). On an NVIDIA
+    GPU from sm_80 (``USE_ASM``) ``e2m1 * e4m3(scale) * 2**-7`` (``NVFP4_GPU_MULT``): the placed values (``2**-14``)
+    times the factors (``2**7``), one float16 multiply per value, exact (at most 6 significant bits, in
+    ``[2**-17, 21]``, where float16 holds them, subnormals included); otherwise ``e2m1 * e4m3(scale)``
+    (exact in float16: at most 6 * 448, and a multiple of 2**-10), in float32 first."""
+    if USE_ASM and cuda_capability_geq(8, 0):
+        lo, hi = _e2m1_place_asm(data)
     else:
         d = data.to(tl.int32)
         lo = _e2m1_f32(d & 15)
@@ -419,7 +429,7 @@ def _sparse_gqa_decode_kernel(
     Q_POW2: tl.constexpr,  # scale each query row by a power of two into the float16 range (bf16 q, fp16 dot)
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,  # write float32 partials for the combine kernel instead of the output
-    USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (GPU; from sm_89, see _nvfp4_tile); plain otherwise
+    USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (a GPU; NVIDIA from sm_80, see _nvfp4_tile); plain otherwise
 ):
     # One program: row t, KV head g, a block of that head's query group, one split of the page list.
     # Each selected page is read once and serves every query head of the block. The tile products take
@@ -494,6 +504,8 @@ def _sparse_gqa_decode_kernel(
         qk = qk * tl.load(k_scale_ptr)
     if Q_POW2:
         qk = qk * down
+    if KV_FMT == 1 and USE_ASM and cuda_capability_geq(8, 0):
+        qk = qk * NVFP4_GPU_MULT  # the K values carry 2**-7 (_nvfp4_tile)
     qk = tl.minimum(tl.maximum(qk, -FLT_MAX), FLT_MAX)  # an overflow saturates instead of giving inf * 0
 
     # Resolve this split's page list up front (a vector of physical pages and visible key counts), so
@@ -516,7 +528,7 @@ def _sparse_gqa_decode_kernel(
     if KV_FMT == 1:
         cols = tl.arange(0, 64)
         sc = tl.arange(0, 8)
-        x64 = tl.cast(one * 64.0, tl.float16)
+        x128 = tl.cast(one * 128.0, tl.float16)
     else:
         one_dot = tl.cast(one, tl.float16)
 
@@ -549,7 +561,7 @@ def _sparse_gqa_decode_kernel(
                 k_data = tl.load(k_slot + (o64 * 64)[:, None] + cols[None, :], mask=data_mask, other=0)
                 k_scales = tl.load(k_slot + PAGE_SIZE * 64 + (o64 * 8)[:, None] + sc[None, :], mask=scale_mask,
                                    other=0)
-                k_f = _nvfp4_scales(k_scales, x64, USE_ASM)
+                k_f = _nvfp4_scales(k_scales, x128, USE_ASM)
                 k_f = tl.reshape(tl.broadcast_to(k_f[:, :, None], [BLOCK_N, 8, 8]), [BLOCK_N, 64])
                 k_even, k_odd = _nvfp4_tile(k_data, k_f, USE_ASM)
                 s = tl.dot(k_even, q_even_t)
@@ -581,7 +593,7 @@ def _sparse_gqa_decode_kernel(
                                   mask=quad_ok[:, None] & (qb < 32)[None, :], other=0)
                 v_scales = tl.reshape(tl.permute(tl.reshape(v_quads, [BLOCK_N // 4, 8, 4]), (0, 2, 1)), [BLOCK_N, 8])
                 v_scales = tl.where(key_ok[:, None], v_scales, 0)
-                v_f = _nvfp4_scales(v_scales, x64, USE_ASM)
+                v_f = _nvfp4_scales(v_scales, x128, USE_ASM)
                 v_f = tl.reshape(tl.broadcast_to(v_f[:, :, None], [BLOCK_N, 8, 8]), [BLOCK_N, 64])
                 v_even, v_odd = _nvfp4_tile(v_data, v_f, USE_ASM)
                 p16 = p.to(tl.float16)
@@ -601,6 +613,9 @@ def _sparse_gqa_decode_kernel(
         if KV_FMT == 1:
             out_even = tl.trans(acc_even)
             out_odd = tl.trans(acc_odd)
+            if USE_ASM and cuda_capability_geq(8, 0):  # the V values carried 2**-7 (_nvfp4_tile); exact
+                out_even = out_even * NVFP4_GPU_MULT
+                out_odd = out_odd * NVFP4_GPU_MULT
         else:
             out_acc = tl.trans(acc)
     else:

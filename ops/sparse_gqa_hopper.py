@@ -604,8 +604,8 @@ if HAS_GLUON:
     # of them as a float16 pair (ptxas selects the half in the multiply itself: no byte moves). Results:
     # the low-nibble values ($0..$3 the first group's bytes 0..7, $4..$7 the second's), then the
     # high-nibble values ($8..$15); callers keep that order (the dims permuted, see ``_nv_dim``). Until
-    # this form each nibble was re-encoded as e4m3 and converted by ``cvt.rn.f16x2.e4m3x2`` (the portable
-    # kernel's ``e2m1_reencode_ptx``; docs/sparse_gqa_hopper.md, "Bit placement instead of conversions").
+    # this form each nibble was re-encoded as e4m3 and converted by ``cvt.rn.f16x2.e4m3x2``
+    # (docs/sparse_gqa_hopper.md, "Bit placement instead of conversions").
     _FP4X32_TO_F16 = gl.constexpr(
         "{\n.reg .b32 t, u, e, z, c, c0, c1;\n.reg .b16 s0, s1, h0, h1;\n"
         "mov.b32 {s0, s1}, $20;\ncvt.rn.f16x2.e4m3x2 c, s0;\nmov.b32 t, 0x58005800;\nmul.rn.f16x2 c, c, t;\n"
