@@ -5,7 +5,7 @@
 Each FILE is a copy of ``ops/sparse_gqa.py`` (the committed one: ``git show HEAD:ops/sparse_gqa.py >
 a.py``; an edited one; one whose ``cuda_capability_geq(8, 9)`` tests are made false with ``sed``, to
 run on an sm_90 GPU the code a GPU before sm_89 compiles). Each is imported as a module of the package
-(``torch_sparse_mla.ops._abp_NAME``, so its relative imports work) with its own plan cache and
+(``torch_sparse_mla.ops._ab_NAME``, as ``ab_hopper.py`` does, so its relative imports work) with its own plan cache and
 kernels, and called through its own launcher with ``path="portable"``. ``FORMAT`` is ``fp8`` or
 ``nvfp4``; inputs are the benchmark's (``bench/gqa.py``; a row ``64q4`` is T = 64 with four query
 tokens per request). For each row and variant: the best of ``--rounds`` CUDA-graph replay medians
@@ -16,31 +16,12 @@ output is bitwise the first variant's (else the largest difference). Not a test,
 from __future__ import annotations
 
 import argparse
-import importlib
-import os
-import shutil
 
 import torch
+from ab_hopper import _modules  # this folder is first on the path of a script run as a file
 
 from torch_sparse_mla.bench.common import graph_us
 from torch_sparse_mla.bench.gqa import _decode_inputs
-from torch_sparse_mla.ops import sparse_gqa
-
-
-def _modules(specs: list[str]) -> dict:
-    """The variants imported as modules of the package; their copies inside it are removed again once
-    imported."""
-    ops_dir = os.path.dirname(sparse_gqa.__file__)
-    modules = {}
-    for spec in specs:
-        name, path = spec.split("=", 1)
-        target = os.path.join(ops_dir, f"_abp_{name}.py")
-        shutil.copy(path, target)
-        try:
-            modules[name] = importlib.import_module(f"torch_sparse_mla.ops._abp_{name}")
-        finally:
-            os.remove(target)
-    return modules
 
 
 def main() -> None:
