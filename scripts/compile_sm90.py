@@ -278,6 +278,20 @@ def case_sparse_gqa():
         gqa_ops.gqa_kv_cache_insert_triton(k, k, torch.zeros(5, dtype=I64), cache, 0.5, 2.0)
 
 
+def case_sparse_gqa_model():
+    """The benchmark's MiniMax-M3 decode shapes through the portable kernel (64/4 heads, head dim 128,
+    pages of 128, 16 selected pages, T = 64, one split, contiguous tensors): a float8 and an NVFP4
+    cache, the loads a GPU other than sm_90 runs at the model's sizes."""
+    t, hq, hkv, dh, ps, n_sel = 64, 64, 4, 128, 128, 16
+    q = torch.zeros(t, hq, dh, dtype=BF16)
+    for cache in (torch.zeros(32, hkv, ps, 2 * dh, dtype=torch.float8_e4m3fn),
+                  torch.zeros(32, 2 * hkv, ps, 72, dtype=torch.uint8)):
+        lens = torch.zeros(t, dtype=I32)
+        gqa_ops.sparse_gqa_decode_triton(q, cache, torch.zeros(t, hkv, n_sel, dtype=I32), torch.zeros(t, 32, dtype=I32),
+                                         lens, lens, 1, 0.1, 1.0, 1.0, 1.0, out=torch.empty_like(q), num_splits=1,
+                                         path="portable")
+
+
 CASES = {
     "metadata": case_metadata,
     "kv_cache": case_kv_cache,
@@ -286,6 +300,7 @@ CASES = {
     "sparse_mla_model": case_sparse_mla_model,
     "sparse_mla_large_dims": case_sparse_mla_large_dims,
     "sparse_gqa": case_sparse_gqa,
+    "sparse_gqa_model": case_sparse_gqa_model,
 }
 DEFAULT_CASES = ("metadata", "kv_cache", "sparse_mla", "sparse_gqa")
 

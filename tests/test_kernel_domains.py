@@ -337,3 +337,18 @@ def test_portable_kernels_compile_for_other_gpus(arch, target, backend):
     kernels = set(re.findall(r"^\w+\s+(_\w+_kernel)\s", result.stdout, re.M))
     assert {"_kv_cache_insert_kernel", "_kv_cache_gather_kernel", "_sparse_gqa_decode_kernel",
             "_gqa_kv_cache_insert_kernel", "_sparse_mla_decode_kernel"} <= kernels, kernels
+
+
+@pytest.mark.parametrize("arch", ["80", "86"])
+def test_portable_sparse_gqa_model_shapes_do_not_spill_before_sm89(arch):
+    """Without a GPU: the portable sparse-GQA decode at the benchmark's MiniMax-M3 shapes (float8 and
+    NVFP4 caches, ``scripts/compile_sm90.py --cases sparse_gqa_model``) builds for an A100 (sm_80) and
+    an sm_86 GPU without spilling. Until the NVFP4 values were placed as float16 bits on every NVIDIA GPU
+    (``sparse_gqa.md``, "NVFP4 before sm_89"), the NVFP4 kernel decoded them in float32 there, took
+    255 registers and spilled (8 bytes on sm_80, 40 on sm_86)."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    result = run_offline_compile("compile_sm90.py", "--arch", arch, "--cases", "sparse_gqa_model")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = re.findall(r"^sparse_gqa_model\s+_sparse_gqa_decode_kernel\s+(\d+)\s+(\d+)\s+(\d+)", result.stdout, re.M)
+    assert len(rows) == 2, result.stdout[-2000:]
+    assert all(int(spill) == 0 for _, spill, _ in rows), result.stdout[-2000:]
