@@ -360,9 +360,10 @@ NVFP4_GPU_MULT = tl.constexpr(128.0)
 def _nvfp4_scales(scale_bytes, x128, USE_ASM: tl.constexpr):
     """The e4m3 scale bytes as the factors of ``_nvfp4_tile``: on an NVIDIA GPU from sm_80 (``USE_ASM``)
     float16 ``scale * 128`` (exact, at most 448 * 128 = 57,344; by the hardware conversion from sm_89, by
-    integer operations before), float32 ``scale`` otherwise (the interpreter, an AMD GPU). ``x128`` is 128.0 as a float16 run-time value: the
-    product with it keeps the compiler from moving the layout change of the MMA operand before the
-    decoding (which would shuffle bytes instead of using whole words)."""
+    integer operations before), float32 ``scale`` otherwise (the interpreter, an AMD GPU). ``x128`` is
+    128.0 as a float16 run-time value: the product with it keeps the compiler from moving the layout
+    change of the MMA operand before the decoding (which would shuffle bytes instead of using whole
+    words)."""
     if USE_ASM and cuda_capability_geq(8, 9):
         return scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * x128
     elif USE_ASM and cuda_capability_geq(8, 0):
@@ -376,10 +377,11 @@ def _nvfp4_tile(data, factors, USE_ASM: tl.constexpr):
     """float16 ``(even, odd)`` shaped like ``data``: the values of dims ``2i`` and ``2i + 1`` of each key
     from the data bytes (uint8, byte ``i`` of a key in the last dimension) and ``factors``
     (``_nvfp4_scales`` broadcast to ``data``'s shape: byte ``i`` takes scale ``i // 8``). On an NVIDIA
-    GPU from sm_80 (``USE_ASM``) ``e2m1 * e4m3(scale) * 2**-7`` (``NVFP4_GPU_MULT``): the placed values (``2**-14``)
-    times the factors (``2**7``), one float16 multiply per value, exact (at most 6 significant bits, in
-    ``[2**-17, 21]``, where float16 holds them, subnormals included); otherwise ``e2m1 * e4m3(scale)``
-    (exact in float16: at most 6 * 448, and a multiple of 2**-10), in float32 first."""
+    GPU from sm_80 (``USE_ASM``) ``e2m1 * e4m3(scale) * 2**-7`` (``NVFP4_GPU_MULT``): the placed values
+    (``2**-14``) times the factors (``2**7``), one float16 multiply per value, exact (at most 6
+    significant bits, in ``[2**-17, 21]``, where float16 holds them, subnormals included); otherwise
+    ``e2m1 * e4m3(scale)`` (exact in float16: at most 6 * 448, and a multiple of 2**-10), in float32
+    first."""
     if USE_ASM and cuda_capability_geq(8, 0):
         lo, hi = _e2m1_place_asm(data)
     else:
@@ -429,7 +431,7 @@ def _sparse_gqa_decode_kernel(
     Q_POW2: tl.constexpr,  # scale each query row by a power of two into the float16 range (bf16 q, fp16 dot)
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,  # write float32 partials for the combine kernel instead of the output
-    USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (a GPU; NVIDIA from sm_80, see _nvfp4_tile); plain otherwise
+    USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (NVIDIA GPUs from sm_80, _nvfp4_tile); plain otherwise
 ):
     # One program: row t, KV head g, a block of that head's query group, one split of the page list.
     # Each selected page is read once and serves every query head of the block. The tile products take

@@ -5,8 +5,8 @@
 Each FILE is a copy of ``ops/sparse_gqa.py`` (the committed one: ``git show HEAD:ops/sparse_gqa.py >
 a.py``; an edited one; one whose ``cuda_capability_geq(8, 9)`` tests are made false with ``sed``, to
 run on an sm_90 GPU the code a GPU before sm_89 compiles). Each is imported as a module of the package
-(``torch_sparse_mla.ops._ab_NAME``, as ``ab_hopper.py`` does, so its relative imports work) with its own plan cache and
-kernels, and called through its own launcher with ``path="portable"``. ``FORMAT`` is ``fp8`` or
+(``torch_sparse_mla.ops._ab_NAME``, as ``ab_hopper.py`` does, so its relative imports work) with its
+own plan cache and kernels, and called through its own launcher with ``path="portable"``. ``FORMAT`` is ``fp8`` or
 ``nvfp4``; inputs are the benchmark's (``bench/gqa.py``; a row ``64q4`` is T = 64 with four query
 tokens per request). For each row and variant: the best of ``--rounds`` CUDA-graph replay medians
 (``bench.common.graph_us``; the variants alternate within a round), the rounds, and whether the
