@@ -1171,10 +1171,11 @@ def warn_portable_on_sm90(op: str, device: torch.device, layout_ok: bool) -> Non
     if HAS_GLUON or not layout_ok or op in _WARNED or device.type != "cuda" or not _is_sm90(device):
         return
     _WARNED.add(op)
+    names = _release_names()
     warnings.warn(f"torch_sparse_mla: {op} runs its portable Triton kernel on this sm_90 GPU, not its Hopper "
                   f"kernel, which is faster at the models' shapes: {GLUON_UNAVAILABLE}. A triton "
-                  f"from {_release_names()[0]} to {_release_names()[-1]} gives "
-                  "them. (Said once per operator.)", PortableKernelWarning, stacklevel=2)
+                  f"from {names[0]} to {names[-1]} gives them. (Said once per operator.)",
+                  PortableKernelWarning, stacklevel=2)
 
 
 # Positions of the kernels' arguments that must be 16-byte aligned, ``cache_ptr`` and ``xcache_ptr``
