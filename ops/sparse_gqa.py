@@ -357,32 +357,32 @@ NVFP4_GPU_MULT = tl.constexpr(128.0)
 
 
 @triton.jit
-def _nvfp4_scales(scale_bytes, x128, USE_ASM: tl.constexpr):
-    """The e4m3 scale bytes as the factors of ``_nvfp4_tile``: on an NVIDIA GPU from sm_80 (``USE_ASM``)
+def _nvfp4_scales(scale_bytes, x128, PLACE: tl.constexpr):
+    """The e4m3 scale bytes as the factors of ``_nvfp4_tile``: with ``PLACE`` (an NVIDIA GPU from sm_80)
     float16 ``scale * 128`` (exact, at most 448 * 128 = 57,344; by the hardware conversion from sm_89, by
     integer operations before), float32 ``scale`` otherwise (the interpreter, an AMD GPU). ``x128`` is
     128.0 as a float16 run-time value: the product with it keeps the compiler from moving the layout
     change of the MMA operand before the decoding (which would shuffle bytes instead of using whole
     words)."""
-    if USE_ASM and cuda_capability_geq(8, 9):
+    if PLACE and cuda_capability_geq(8, 9):
         return scale_bytes.to(tl.float8e4nv, bitcast=True).to(tl.float16) * x128
-    elif USE_ASM and cuda_capability_geq(8, 0):
+    elif PLACE:
         return e4m3_to_f16_bits(scale_bytes) * x128
     else:
         return e4m3_to_f32(scale_bytes)
 
 
 @triton.jit
-def _nvfp4_tile(data, factors, USE_ASM: tl.constexpr):
+def _nvfp4_tile(data, factors, PLACE: tl.constexpr):
     """float16 ``(even, odd)`` shaped like ``data``: the values of dims ``2i`` and ``2i + 1`` of each key
     from the data bytes (uint8, byte ``i`` of a key in the last dimension) and ``factors``
     (``_nvfp4_scales`` broadcast to ``data``'s shape: byte ``i`` takes scale ``i // 8``). On an NVIDIA
-    GPU from sm_80 (``USE_ASM``) ``e2m1 * e4m3(scale) * 2**-7`` (``NVFP4_GPU_MULT``): the placed values
+    GPU from sm_80 (``PLACE``) ``e2m1 * e4m3(scale) * 2**-7`` (``NVFP4_GPU_MULT``): the placed values
     (``2**-14``) times the factors (``2**7``), one float16 multiply per value, exact (at most 6
     significant bits, in ``[2**-17, 21]``, where float16 holds them, subnormals included); otherwise
     ``e2m1 * e4m3(scale)`` (exact in float16: at most 6 * 448, and a multiple of 2**-10), in float32
     first."""
-    if USE_ASM and cuda_capability_geq(8, 0):
+    if PLACE:
         lo, hi = _e2m1_place_asm(data)
     else:
         d = data.to(tl.int32)
@@ -506,7 +506,10 @@ def _sparse_gqa_decode_kernel(
         qk = qk * tl.load(k_scale_ptr)
     if Q_POW2:
         qk = qk * down
-    if KV_FMT == 1 and USE_ASM and cuda_capability_geq(8, 0):
+    # NVFP4 values decoded by bit placement (an NVIDIA GPU from sm_80), decided once: the helpers
+    # leave 2**-7 on every value exactly where the score factor and the accumulators take it back
+    PLACE: tl.constexpr = USE_ASM and cuda_capability_geq(8, 0)
+    if KV_FMT == 1 and PLACE:
         qk = qk * NVFP4_GPU_MULT  # the K values carry 2**-7 (_nvfp4_tile)
     qk = tl.minimum(tl.maximum(qk, -FLT_MAX), FLT_MAX)  # an overflow saturates instead of giving inf * 0
 
@@ -563,9 +566,9 @@ def _sparse_gqa_decode_kernel(
                 k_data = tl.load(k_slot + (o64 * 64)[:, None] + cols[None, :], mask=data_mask, other=0)
                 k_scales = tl.load(k_slot + PAGE_SIZE * 64 + (o64 * 8)[:, None] + sc[None, :], mask=scale_mask,
                                    other=0)
-                k_f = _nvfp4_scales(k_scales, x128, USE_ASM)
+                k_f = _nvfp4_scales(k_scales, x128, PLACE)
                 k_f = tl.reshape(tl.broadcast_to(k_f[:, :, None], [BLOCK_N, 8, 8]), [BLOCK_N, 64])
-                k_even, k_odd = _nvfp4_tile(k_data, k_f, USE_ASM)
+                k_even, k_odd = _nvfp4_tile(k_data, k_f, PLACE)
                 s = tl.dot(k_even, q_even_t)
                 s = tl.dot(k_odd, q_odd_t, s)
             else:
@@ -595,9 +598,9 @@ def _sparse_gqa_decode_kernel(
                                   mask=quad_ok[:, None] & (qb < 32)[None, :], other=0)
                 v_scales = tl.reshape(tl.permute(tl.reshape(v_quads, [BLOCK_N // 4, 8, 4]), (0, 2, 1)), [BLOCK_N, 8])
                 v_scales = tl.where(key_ok[:, None], v_scales, 0)
-                v_f = _nvfp4_scales(v_scales, x128, USE_ASM)
+                v_f = _nvfp4_scales(v_scales, x128, PLACE)
                 v_f = tl.reshape(tl.broadcast_to(v_f[:, :, None], [BLOCK_N, 8, 8]), [BLOCK_N, 64])
-                v_even, v_odd = _nvfp4_tile(v_data, v_f, USE_ASM)
+                v_even, v_odd = _nvfp4_tile(v_data, v_f, PLACE)
                 p16 = p.to(tl.float16)
                 acc_even = tl.dot(tl.trans(v_even), p16, acc_even * alpha[None, :])
                 acc_odd = tl.dot(tl.trans(v_odd), p16, acc_odd * alpha[None, :])
@@ -615,7 +618,7 @@ def _sparse_gqa_decode_kernel(
         if KV_FMT == 1:
             out_even = tl.trans(acc_even)
             out_odd = tl.trans(acc_odd)
-            if USE_ASM and cuda_capability_geq(8, 0):  # the V values carried 2**-7 (_nvfp4_tile); exact
+            if PLACE:  # the V values carried 2**-7 (_nvfp4_tile); exact
                 out_even = out_even * NVFP4_GPU_MULT
                 out_odd = out_odd * NVFP4_GPU_MULT
         else:
