@@ -48,7 +48,7 @@ from ..meta_kernels.sparse_gqa import (
     is_nvfp4,
     kv_heads,
 )
-from ._formats import e2m1_place_ptx, e4m3_to_float32, written_slots
+from ._formats import e2m1_place_ptx, e4m3_place_ptx, e4m3_to_float32, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, float8_conversions, multiprocessor_count,
                       next_pow2, prev_pow2, scratch, wait_for_prior_grid)
 from ._rounding import e4m3_to_f16_bits, e4m3_to_f32, load_as_f32
@@ -343,6 +343,38 @@ def _e2m1_place_asm(b):
         constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
+# The PTX of ``_e4m3_place_asm`` (one instance: four e4m3 bytes in $2; elements 0, 1 out in $0 and
+# 2, 3 in $1, two float16 per register). tests/test_sparse_gqa.py runs it through the PTX model for
+# every byte value in every lane.
+E4M3_PLACE_PTX = tl.constexpr("{\n.reg .b32 m, n, s;\n" + e4m3_place_ptx("$2", ("$0", "$1")) + "}\n")
+
+#: What ``_e4m3_place_asm`` leaves on every value (``2**-8``): the kernel multiplies its score factor
+#: (K) and the decoded V tile (by a float16 run-time value, which also keeps the compiler from moving
+#: the decoding past the tile's layout change) by this to undo it (exact: a power of two).
+E4M3_PLACE_MULT = tl.constexpr(256.0)
+
+
+@triton.jit
+def _e4m3_place_asm(b):
+    """GPU only: float16 tensor shaped like the uint8 tensor ``b`` of e4m3fn bytes: each value times
+    ``2**-8`` (exact; NaN bytes -> NaN), its bits placed by integer operations and byte permutes, four
+    bytes per instance (``_formats.e4m3_place_ptx``). For the float8 cache on an NVIDIA GPU before
+    sm_89, which has no float8 conversion."""
+    return tl.inline_asm_elementwise(
+        asm=E4M3_PLACE_PTX, constraints="=r,=r,r", args=[b], dtype=tl.float16, is_pure=True, pack=4)
+
+
+@triton.jit
+def _cache_values(x, PLACE8: tl.constexpr):
+    """Loaded value-cache elements as a float type: with ``PLACE8`` (float8 bytes on an NVIDIA GPU
+    before sm_89) float16 times ``2**-8`` (``_e4m3_place_asm``), else ``_values``."""
+    if PLACE8:
+        y = _e4m3_place_asm(x)
+    else:
+        y = _values(x)
+    return y
+
+
 @triton.jit
 def _e2m1_f32(code):
     """float32 E2M1 value of 4-bit codes (int32): built in the exponent and mantissa fields (exact)."""
@@ -431,7 +463,7 @@ def _sparse_gqa_decode_kernel(
     Q_POW2: tl.constexpr,  # scale each query row by a power of two into the float16 range (bf16 q, fp16 dot)
     HAS_K_SCALE: tl.constexpr, HAS_V_SCALE: tl.constexpr,
     SPLIT: tl.constexpr,  # write float32 partials for the combine kernel instead of the output
-    USE_ASM: tl.constexpr,  # NVFP4 decoding with inline PTX (NVIDIA GPUs from sm_80, _nvfp4_tile); plain otherwise
+    USE_ASM: tl.constexpr,  # NVFP4 and float8-byte cache decoding by inline PTX (NVIDIA GPUs from sm_80)
 ):
     # One program: row t, KV head g, a block of that head's query group, one split of the page list.
     # Each selected page is read once and serves every query head of the block. The tile products take
@@ -511,6 +543,11 @@ def _sparse_gqa_decode_kernel(
     PLACE: tl.constexpr = USE_ASM and cuda_capability_geq(8, 0)
     if KV_FMT == 1 and PLACE:
         qk = qk * NVFP4_GPU_MULT  # the K values carry 2**-7 (_nvfp4_tile)
+    # float8 cache bytes (a GPU before sm_89) decoded by bit placement (_cache_values): every value carries
+    # 2**-8, which the score factor takes back for K and the float16 multiply of the V tile for V
+    PLACE8: tl.constexpr = PLACE and KV_FMT == 0 and kv_ptr.dtype.element_ty == tl.uint8
+    if PLACE8:
+        qk = qk * E4M3_PLACE_MULT
     qk = tl.minimum(tl.maximum(qk, -FLT_MAX), FLT_MAX)  # an overflow saturates instead of giving inf * 0
 
     # Resolve this split's page list up front (a vector of physical pages and visible key counts), so
@@ -534,6 +571,8 @@ def _sparse_gqa_decode_kernel(
         cols = tl.arange(0, 64)
         sc = tl.arange(0, 8)
         x128 = tl.cast(one * 128.0, tl.float16)
+    elif PLACE8:
+        one_dot = tl.cast(one * E4M3_PLACE_MULT, tl.float16)
     else:
         one_dot = tl.cast(one, tl.float16)
 
@@ -574,7 +613,7 @@ def _sparse_gqa_decode_kernel(
             else:
                 row = kv_ptr + p_phys * stride_kv_p + g * stride_kv_h + o.to(tl.int64) * stride_kv_o
                 kv_mask = key_ok[:, None] & d_ok[None, :]
-                k = _to_dot(_values(tl.load(row[:, None] + d[None, :], mask=kv_mask, other=0.0)), DOT)
+                k = _to_dot(_cache_values(tl.load(row[:, None] + d[None, :], mask=kv_mask, other=0.0), PLACE8), DOT)
                 s = _dot(k, q_t, tl.zeros([BLOCK_N, BLOCK_H], dtype=tl.float32), DOT)
 
             s = tl.minimum(tl.maximum(s * qk[None, :], -FLT_MAX), FLT_MAX)  # base-2 logits, saturated
@@ -605,10 +644,11 @@ def _sparse_gqa_decode_kernel(
                 acc_even = tl.dot(tl.trans(v_even), p16, acc_even * alpha[None, :])
                 acc_odd = tl.dot(tl.trans(v_odd), p16, acc_odd * alpha[None, :])
             else:
-                v = _values(tl.load(row[:, None] + HEAD_DIM + d[None, :], mask=kv_mask, other=0.0))
+                v = _cache_values(tl.load(row[:, None] + HEAD_DIM + d[None, :], mask=kv_mask, other=0.0), PLACE8)
                 if DOT == 0:
                     # The product keeps the float8 -> float16 conversion in registers, before the tile goes
-                    # through shared memory as float16 (else the compiler converts after, with byte loads).
+                    # through shared memory as float16 (else the compiler converts after, with byte loads);
+                    # with PLACE8 it is 2**8 and undoes the placement's 2**-8 (exact: at most 448).
                     v = v.to(tl.float16) * one_dot
                 else:
                     v = _to_dot(v, DOT)
@@ -643,7 +683,8 @@ def _sparse_gqa_decode_kernel(
             key_ok = o < p_keys  # keys past the row's limit are never read; a masked-off tile moves no memory
             row = kv_ptr + p_phys * stride_kv_p + g * stride_kv_h + o.to(tl.int64) * stride_kv_o  # [W, KPW]
             kv_mask = key_ok[:, :, None] & d_ok[None, None, :]
-            k = _to_dot(_values(tl.load(row[:, :, None] + d[None, None, :], mask=kv_mask, other=0.0)), DOT)
+            k = _to_dot(_cache_values(tl.load(row[:, :, None] + d[None, None, :], mask=kv_mask, other=0.0), PLACE8),
+                        DOT)
             s = _dot(q, tl.permute(k, (0, 2, 1)), tl.zeros([W, BLOCK_H, KPW], dtype=tl.float32), DOT)
 
             s = tl.minimum(tl.maximum(s * qk3, -FLT_MAX), FLT_MAX)  # base-2 logits, saturated
@@ -655,7 +696,8 @@ def _sparse_gqa_decode_kernel(
             l_i = l_i * alpha + tl.sum(p, axis=2)
             m_i = m_new
 
-            v = _values(tl.load(row[:, :, None] + HEAD_DIM + d[None, None, :], mask=kv_mask, other=0.0))
+            v = _cache_values(tl.load(row[:, :, None] + HEAD_DIM + d[None, None, :], mask=kv_mask, other=0.0),
+                              PLACE8)
             if DOT == 0:
                 v = v.to(tl.float16) * one_dot  # see the transposed loop
             else:

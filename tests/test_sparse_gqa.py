@@ -954,9 +954,9 @@ def test_triton_interpreter_score_overflow_is_not_nan(kv_dtype):
 
 
 def _run_ptx(asm: str, word: int, inputs: dict | None = None, n_out: int = 4) -> list[int]:
-    """A model of the few PTX instructions the NVFP4 decoders and the Hopper kernel's vote use, run on
-    input registers (``word`` in ``$4``, or ``inputs``); returns the output registers ``$0..$(n_out - 1)``
-    as 32-bit words. ``vote.sync.any`` is modelled for one lane (a lane alone votes its own predicate)."""
+    """A model of the few PTX instructions the e4m3 and NVFP4 decoders and the Hopper kernel's vote use,
+    run on input registers (``word`` in ``$4``, or ``inputs``); returns the output registers
+    ``$0..$(n_out - 1)`` as 32-bit words. ``vote.sync.any`` is modelled for one lane (a lane alone votes its own predicate)."""
     regs = dict(inputs) if inputs is not None else {"$4": word}
     preds = {}
     mask = 0xFFFFFFFF
@@ -1003,6 +1003,10 @@ def _run_ptx(asm: str, word: int, inputs: dict | None = None, n_out: int = 4) ->
             regs[dst] = a[0] >> a[1]
         elif op == "and.b32":
             regs[dst] = a[0] & a[1]
+        elif op == "add.u32":
+            regs[dst] = (a[0] + a[1]) & mask
+        elif op == "shf.r.wrap.b32":  # funnel shift right of {a[1]:a[0]}; the shift taken modulo 32
+            regs[dst] = (((a[1] << 32) | a[0]) >> (a[2] & 31)) & mask
         elif op == "or.b32":
             regs[dst] = a[0] | a[1]
         elif op == "lop3.b32":  # bit i of the table is the result for (a, b, c) bits (i >> 2, i >> 1 & 1, i & 1)
@@ -1046,6 +1050,28 @@ def test_nvfp4_gpu_decoder_ptx():
             half_hi = (outs[2 + lane // 2] >> (16 * (lane % 2))) & 0xFFFF
             got = [float(np.array([h], dtype=np.uint16).view(np.float16)[0]) for h in (half, half_hi)]
             assert got == [E2M1_TABLE[byte & 15].item() * 2.0**-14, E2M1_TABLE[byte >> 4].item() * 2.0**-14], (byte, lane)
+
+
+def test_e4m3_place_ptx():
+    """The inline PTX of the portable kernel's float8 cache decoder on a GPU before sm_89, run through a
+    model of its instructions for every byte value in every lane (the other lanes holding other
+    bytes): lane k comes out as element k, the float16 of the e4m3 value times 2**-8, bit for bit (so
+    signed zeros and subnormals too), and NaN for the NaN bytes; with no float8 conversion in it."""
+    asm = gqa_ops.E4M3_PLACE_PTX.value
+    assert "cvt" not in asm
+    for byte in range(256):
+        for lane in range(4):
+            others = [0x7F, 0x80, 0x01, 0xFE]  # NaN, -0, the smallest subnormal, -448 around it
+            word = sum(((byte if k == lane else others[(lane + k) % 4]) << (8 * k)) for k in range(4))
+            outs = _run_ptx(asm, 0, {"$2": word}, n_out=2)
+            half = (outs[lane // 2] >> (16 * (lane % 2))) & 0xFFFF
+            got = np.array([half], dtype=np.uint16).view(np.float16)[0]
+            value = e4m3_value(byte)
+            if math.isnan(value):
+                assert np.isnan(got), (byte, lane)
+            else:
+                want = np.array([value * 2.0**-8], dtype=np.float16)
+                assert half == int(want.view(np.uint16)[0]), (byte, lane, got, want)
 
 
 def test_nvfp4_hopper_decoder_ptx():
@@ -1454,6 +1480,45 @@ def test_cuda_matches_reference(cfg, num_splits):
 def test_cuda_tile_forms(cfg, transposed):
     """Both tile forms of every value-cache case, unsplit and split (the plan picks one by batch size)."""
     assert_tile_form_matches(make_inputs(cfg, seed=11, device="cuda")[0], transposed, split_counts=(1, 4))
+
+
+@requires_cuda
+@pytest.mark.parametrize("transposed", [False, True], ids=["key_groups", "transposed"])
+@pytest.mark.parametrize("cfg", [c for c in CUDA_CASES if c.kv_dtype == FP8] + [
+    Cfg(hq=5, hkv=1, dh=72, page_size=16, dql=2, q_dtype=FP16, kv_dtype=FP8, batch=3, n_sel=5)], ids=lambda c: c.id)
+def test_cuda_float8_as_bytes_matches_typed(cfg, transposed, monkeypatch):
+    """The portable kernel as a GPU before sm_89 runs it, forced on this GPU: the float8 query and cache
+    taken as their bytes, the cache decoded by bit placement (``_e4m3_place_asm``) and the query by
+    integer operations, against the typed route of this GPU (hardware conversions), both tile forms,
+    unsplit and split: bitwise the same output, also where NaN cache bytes lie in keys that are read
+    (a NaN V value makes its rows NaN on both). Odd Dh (72: masked columns, rows not 4-byte aligned)
+    included."""
+    args, _ = make_inputs(cfg, seed=21, device="cuda")
+    kv = args["kv_cache"]
+    read = ~kv.float().isnan()  # make_inputs sets every value nobody reads to NaN
+    gen = torch.Generator().manual_seed(5)
+    for half in (0, 1):  # two K values and two V values of keys that are read become the byte 0x7F
+        where = read[..., half * cfg.dh:(half + 1) * cfg.dh].nonzero()
+        where = where[torch.randperm(len(where), generator=gen)[:2].to(where.device)]
+        where[:, 3] += half * cfg.dh
+        kv[tuple(where.T)] = float("nan")
+    outs = {}
+    for typed in (True, False):
+        monkeypatch.setattr(gqa_ops, "float8_conversions", lambda device, typed=typed: typed)
+        monkeypatch.setattr(gqa_ops, "_PLANS", gqa_ops.PlanCache())
+        for num_splits in (1, 3):
+            out = _out_buffer(args)
+            gqa_ops.sparse_gqa_decode_triton(*args.values(), out=out, num_splits=num_splits,
+                                             config=dict(transposed=transposed), path="portable")
+            outs[typed, num_splits] = out
+        for _, main, _ in gqa_ops._PLANS.values():
+            assert main.dtypes == (None if typed else (torch.uint8 if cfg.q_dtype == FP8 else None, torch.uint8)
+                                   + (None,) * 8)
+    for num_splits in (1, 3):
+        typed_out, bytes_out = outs[True, num_splits], outs[False, num_splits]
+        nan_rows = typed_out.isnan().any(-1)
+        assert nan_rows.any() and not nan_rows.all()
+        torch.testing.assert_close(bytes_out, typed_out, rtol=0, atol=0, equal_nan=True)
 
 
 @requires_cuda
