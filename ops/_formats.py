@@ -318,24 +318,3 @@ def e2m1_place_ptx(src: str, lo: tuple[str, str], hi: tuple[str, str]) -> str:
              + [f"shr.b32 t, {src}, 3;", "lop3.b32 e, t, z, 0x0E0E0E0E, 0xE4;"] + spread(hi))
     return "".join(line + "\n" for line in lines)
 
-
-def e4m3_place_ptx(src: str, out: tuple[str, str]) -> str:
-    """PTX lines turning the four e4m3fn bytes of register ``src`` into float16 values times ``2**-8``,
-    exactly, with integer operations only (bytes 0, 1 into register ``out[0]``, bytes 2, 3 into
-    ``out[1]``, byte k -> element k): for GPUs without a float8 conversion (before sm_89). A float16
-    whose sign is the byte's bit 7 and whose bits 7-13 are the byte's bits 0-6 (bit 14 and bits 0-6
-    zero) is the e4m3 value times ``2**-8``: the four exponent bits land in the low four bits of the
-    float16 exponent field (biases 7 and 15), the three mantissa bits in its top three, and a zero
-    exponent gives a float16 subnormal. So per four bytes: the magnitudes ``m`` (bits 0-6 of each
-    byte), with bit 7 set where a magnitude is ``0x7F`` (NaN: adding 1 to it carries into bit 7, never
-    into the next byte), and the signs moved to bit 0 of each byte (``s``); per two values one byte
-    permute builds ``[s(b1), m(b0), s(b0), m(b1)]`` (low byte first) and a rotation right by one bit
-    moves every field into place: bit 0 to 31 and bit 16 to 15 (the signs), bits 8-15 to 7-14 and
-    24-31 to 23-30 (a NaN byte's flag becomes bit 14, which with bits 7-13 all set makes a float16
-    NaN). Nine operations per four values. The caller declares ``.reg .b32 m, n, s``."""
-    lines = [f"and.b32 m, {src}, 0x7F7F7F7F;", "add.u32 n, m, 0x01010101;",
-             "lop3.b32 m, m, n, 0x80808080, 0xF8;",  # m | (n & 0x80808080)
-             f"shr.b32 s, {src}, 7;", "and.b32 s, s, 0x01010101;"]
-    for reg, sel in zip(out, ("0x1405", "0x3627")):  # selector nibble k: byte k of the result (4-7: s)
-        lines += [f"prmt.b32 {reg}, m, s, {sel};", f"shf.r.wrap.b32 {reg}, {reg}, {reg}, 1;"]
-    return "".join(line + "\n" for line in lines)

@@ -10,7 +10,9 @@ Both equal PyTorch's round-to-nearest-even conversions, which the CPU kernels us
 the bytes of all three. A GPU before sm_89 (Ampere) has no float8 conversion instructions (and Triton
 refuses the float8 types there): the float8 conversions take the integer routines on it, decided when
 the kernel is compiled (``cuda_capability_geq``), and every other conversion stays in hardware.
-``e4m3_to_f32`` is the reverse conversion, by the same rule.
+``e4m3_to_f32`` is the reverse conversion, by the same rule, except that an NVIDIA GPU before sm_89
+decodes four bytes at a time by inline PTX (``e4m3_place_f16``: integer operations and byte permutes,
+the same values).
 """
 
 from __future__ import annotations
@@ -130,6 +132,44 @@ def e4m3_bytes(y, HW_CVT: tl.constexpr):
         return e4m3_byte(clamp_keep_nan(y, 448.0), False).to(tl.uint8)
 
 
+def e4m3_place_ptx(src: str, out: tuple[str, str]) -> str:
+    """PTX lines turning the four e4m3fn bytes of register ``src`` into float16 values times ``2**-8``,
+    exactly, with integer operations only (bytes 0, 1 into register ``out[0]``, bytes 2, 3 into
+    ``out[1]``, byte k -> element k): for GPUs without a float8 conversion (before sm_89). A float16
+    whose sign is the byte's bit 7 and whose bits 7-13 are the byte's bits 0-6 (bit 14 and bits 0-6
+    zero) is the e4m3 value times ``2**-8``: the four exponent bits land in the low four bits of the
+    float16 exponent field (biases 7 and 15), the three mantissa bits in its top three, and a zero
+    exponent gives a float16 subnormal. So per four bytes: the magnitudes ``m`` (bits 0-6 of each
+    byte), with bit 7 set where a magnitude is ``0x7F`` (NaN: adding 1 to it carries into bit 7, never
+    into the next byte), and the signs moved to bit 0 of each byte (``s``); per two values one byte
+    permute builds ``[s(b1), m(b0), s(b0), m(b1)]`` (low byte first) and a rotation right by one bit
+    moves every field into place: bit 0 to 31 and bit 16 to 15 (the signs), bits 8-15 to 7-14 and
+    24-31 to 23-30 (a NaN byte's flag becomes bit 14, which with bits 7-13 all set makes a float16
+    NaN). Nine operations per four values. The caller declares ``.reg .b32 m, n, s``."""
+    lines = [f"and.b32 m, {src}, 0x7F7F7F7F;", "add.u32 n, m, 0x01010101;",
+             "lop3.b32 m, m, n, 0x80808080, 0xF8;",  # m | (n & 0x80808080)
+             f"shr.b32 s, {src}, 7;", "and.b32 s, s, 0x01010101;"]
+    for reg, sel in zip(out, ("0x1405", "0x3627")):  # selector nibble k: byte k of the result (4-7: s)
+        lines += [f"prmt.b32 {reg}, m, s, {sel};", f"shf.r.wrap.b32 {reg}, {reg}, {reg}, 1;"]
+    return "".join(line + "\n" for line in lines)
+
+
+# The PTX of ``e4m3_place_f16`` (one instance: four e4m3 bytes in $2; elements 0, 1 out in $0 and 2, 3
+# in $1, two float16 per register). tests/test_sparse_gqa.py runs it through a model of its
+# instructions for every byte value in every lane.
+E4M3_PLACE_PTX = tl.constexpr("{\n.reg .b32 m, n, s;\n" + e4m3_place_ptx("$2", ("$0", "$1")) + "}\n")
+
+
+@triton.jit
+def e4m3_place_f16(raw):
+    """NVIDIA GPU only (any from sm_80): float16 tensor shaped like the uint8 tensor ``raw`` of e4m3fn
+    bytes, each value times ``2**-8`` (exact; NaN bytes -> NaN), its bits placed by integer operations
+    and byte permutes, four bytes per instance (``e4m3_place_ptx``). For GPUs before sm_89, which have
+    no float8 conversion; the caller takes the ``2**-8`` back (a power of two: exact)."""
+    return tl.inline_asm_elementwise(
+        asm=E4M3_PLACE_PTX, constraints="=r,=r,r", args=[raw], dtype=tl.float16, is_pure=True, pack=4)
+
+
 @triton.jit
 def e4m3_to_f16_bits(raw):
     """float16 of e4m3fn bytes ``raw`` (uint8) by integer operations, exactly (subnormals included):
@@ -142,12 +182,18 @@ def e4m3_to_f16_bits(raw):
 
 @triton.jit
 def e4m3_to_f32(raw):
-    """float32 of e4m3fn bytes ``raw`` (uint8): the hardware conversion on a GPU of sm_89 or later, else
-    (the interpreter, an Ampere GPU) ``e4m3_to_f16_bits``. NaN (``0x7F``, ``0xFF``) -> NaN on both."""
+    """float32 of e4m3fn bytes ``raw`` (uint8): the hardware conversion on a GPU of sm_89 or later, the
+    bit placement of ``e4m3_place_f16`` on an NVIDIA GPU before (an A100), else (the interpreter, an
+    AMD GPU) ``e4m3_to_f16_bits``. The same values on every route; NaN (``0x7F``, ``0xFF``) -> NaN."""
     if cuda_capability_geq(8, 9):
         x = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         if _INTERPRETED:
             x = tl.where((raw & 0x7F) == 0x7F, float("nan"), x)
+    elif cuda_capability_geq(8, 0):
+        if _INTERPRETED:  # the interpreter on a machine with such a GPU: no inline PTX
+            x = e4m3_to_f16_bits(raw).to(tl.float32)
+        else:
+            x = e4m3_place_f16(raw).to(tl.float32) * 256.0
     else:
         x = e4m3_to_f16_bits(raw).to(tl.float32)
     return x

@@ -48,10 +48,10 @@ from ..meta_kernels.sparse_gqa import (
     is_nvfp4,
     kv_heads,
 )
-from ._formats import e2m1_place_ptx, e4m3_place_ptx, e4m3_to_float32, written_slots
+from ._formats import e2m1_place_ptx, e4m3_to_float32, written_slots
 from ._launch import (LOG2E, KernelLaunch, LaunchPlan, PlanCache, cdiv, float8_conversions, multiprocessor_count,
                       next_pow2, prev_pow2, scratch, wait_for_prior_grid)
-from ._rounding import e4m3_to_f16_bits, e4m3_to_f32, load_as_f32
+from ._rounding import e4m3_place_f16, e4m3_to_f16_bits, e4m3_to_f32, load_as_f32
 from ._rounding import clamp_keep_nan as _clamp_keep_nan
 from ._rounding import e4m3_byte as _e4m3_byte
 from ._rounding import e4m3_bytes as _e4m3_bytes
@@ -343,33 +343,18 @@ def _e2m1_place_asm(b):
         constraints="=r,=r,=r,=r,r", args=[b], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
 
 
-# The PTX of ``_e4m3_place_asm`` (one instance: four e4m3 bytes in $2; elements 0, 1 out in $0 and
-# 2, 3 in $1, two float16 per register). tests/test_sparse_gqa.py runs it through the PTX model for
-# every byte value in every lane.
-E4M3_PLACE_PTX = tl.constexpr("{\n.reg .b32 m, n, s;\n" + e4m3_place_ptx("$2", ("$0", "$1")) + "}\n")
-
-#: What ``_e4m3_place_asm`` leaves on every value (``2**-8``): the kernel multiplies its score factor
-#: (K) and the decoded V tile (by a float16 run-time value, which also keeps the compiler from moving
-#: the decoding past the tile's layout change) by this to undo it (exact: a power of two).
+#: What ``_rounding.e4m3_place_f16`` leaves on every value (``2**-8``): the kernel multiplies its score
+#: factor (K) and the decoded V tile (by a float16 run-time value, which also keeps the compiler from
+#: moving the decoding past the tile's layout change) by this to undo it (exact: a power of two).
 E4M3_PLACE_MULT = tl.constexpr(256.0)
-
-
-@triton.jit
-def _e4m3_place_asm(b):
-    """GPU only: float16 tensor shaped like the uint8 tensor ``b`` of e4m3fn bytes: each value times
-    ``2**-8`` (exact; NaN bytes -> NaN), its bits placed by integer operations and byte permutes, four
-    bytes per instance (``_formats.e4m3_place_ptx``). For the float8 cache on an NVIDIA GPU before
-    sm_89, which has no float8 conversion."""
-    return tl.inline_asm_elementwise(
-        asm=E4M3_PLACE_PTX, constraints="=r,=r,r", args=[b], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
 def _cache_values(x, PLACE8: tl.constexpr):
     """Loaded value-cache elements as a float type: with ``PLACE8`` (float8 bytes on an NVIDIA GPU
-    before sm_89) float16 times ``2**-8`` (``_e4m3_place_asm``), else ``_values``."""
+    before sm_89) float16 times ``2**-8`` (``_rounding.e4m3_place_f16``), else ``_values``."""
     if PLACE8:
-        y = _e4m3_place_asm(x)
+        y = e4m3_place_f16(x)
     else:
         y = _values(x)
     return y

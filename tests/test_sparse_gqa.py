@@ -1053,11 +1053,14 @@ def test_nvfp4_gpu_decoder_ptx():
 
 
 def test_e4m3_place_ptx():
-    """The inline PTX of the portable kernel's float8 cache decoder on a GPU before sm_89, run through a
-    model of its instructions for every byte value in every lane (the other lanes holding other
-    bytes): lane k comes out as element k, the float16 of the e4m3 value times 2**-8, bit for bit (so
-    signed zeros and subnormals too), and NaN for the NaN bytes; with no float8 conversion in it."""
-    asm = gqa_ops.E4M3_PLACE_PTX.value
+    """The inline PTX of the e4m3 decoder of NVIDIA GPUs before sm_89 (``_rounding.e4m3_place_f16``:
+    the sparse-GQA float8 cache, ``e4m3_to_f32`` in every other kernel), run through a model of its
+    instructions for every byte value in every lane (the other lanes holding other bytes): lane k
+    comes out as element k, the float16 of the e4m3 value times 2**-8, bit for bit (so signed zeros
+    and subnormals too), and NaN for the NaN bytes; with no float8 conversion in it."""
+    from torch_sparse_mla.ops import _rounding
+
+    asm = _rounding.E4M3_PLACE_PTX.value
     assert "cvt" not in asm
     for byte in range(256):
         for lane in range(4):
@@ -1488,7 +1491,7 @@ def test_cuda_tile_forms(cfg, transposed):
     Cfg(hq=5, hkv=1, dh=72, page_size=16, dql=2, q_dtype=FP16, kv_dtype=FP8, batch=3, n_sel=5)], ids=lambda c: c.id)
 def test_cuda_float8_as_bytes_matches_typed(cfg, transposed, monkeypatch):
     """The portable kernel as a GPU before sm_89 runs it, forced on this GPU: the float8 query and cache
-    taken as their bytes, the cache decoded by bit placement (``_e4m3_place_asm``) and the query by
+    taken as their bytes, the cache decoded by bit placement (``e4m3_place_f16``) and the query by
     integer operations, against the typed route of this GPU (hardware conversions), both tile forms,
     unsplit and split: bitwise the same output, also where NaN cache bytes lie in keys that are read
     (a NaN V value makes its rows NaN on both). Odd Dh (72: masked columns, rows not 4-byte aligned)
