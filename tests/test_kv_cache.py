@@ -17,7 +17,7 @@ import formats_reference as ref
 import torch_sparse_mla as tsm
 from common import assert_no_recompiles, poison, requires_cuda, requires_interpreter, set_args
 from torch_sparse_mla.ops import kv_cache as kernels
-from torch_sparse_mla.ops._rounding import e4m3_to_f16_bits, e4m3_to_f32
+from torch_sparse_mla.ops._rounding import e4m3_place_f16, e4m3_to_f16_bits, e4m3_to_f32
 from torch_sparse_mla.ops._triton import tl, triton
 
 ops = torch.ops.sparse_mla
@@ -327,25 +327,30 @@ def test_round_trip_within_e4m3_precision(kv_format):
 # =====================================================================================================
 
 @triton.jit
-def _decode_bytes_kernel(raw_ptr, f32_ptr, f16_ptr, N: tl.constexpr):
+def _decode_bytes_kernel(raw_ptr, f32_ptr, f16_ptr, placed_ptr, N: tl.constexpr, PLACE: tl.constexpr):
     offs = tl.arange(0, N)
     raw = tl.load(raw_ptr + offs)
     tl.store(f32_ptr + offs, e4m3_to_f32(raw))
     tl.store(f16_ptr + offs, e4m3_to_f16_bits(raw))
+    if PLACE:  # inline PTX: NVIDIA GPUs only, not the interpreter
+        tl.store(placed_ptr + offs, e4m3_place_f16(raw).to(tl.float32) * 256.0)
 
 
 def check_e4m3_decoders(device):
-    """The Triton e4m3 decoders on all 256 bytes: ``e4m3_to_f16_bits`` (the integer route of a GPU
-    before sm_89 and of the interpreter) and ``e4m3_to_f32`` (the hardware conversion from sm_89 on,
-    the integer route otherwise) equal PyTorch's float8_e4m3fn conversion, subnormals, zeros of both
-    signs and both NaN bytes included."""
+    """The Triton e4m3 decoders on all 256 bytes: ``e4m3_to_f16_bits`` (the integer route of the
+    interpreter, of an AMD GPU and of sm_75), ``e4m3_to_f32`` (the hardware conversion from sm_89 on,
+    else one of the other two) and, on an NVIDIA GPU, ``e4m3_place_f16`` (the bit placement of sm_80 to
+    sm_86, run here whatever the GPU) equal PyTorch's float8_e4m3fn conversion, subnormals, zeros of
+    both signs and both NaN bytes included."""
+    place = device == "cuda" and torch.version.hip is None
     raw = torch.arange(256, dtype=torch.uint8, device=device)
     f32 = torch.empty(256, device=device)
     f16 = torch.empty(256, dtype=torch.float16, device=device)
-    _decode_bytes_kernel[(1,)](raw, f32, f16, N=256)
+    placed = torch.empty(256, device=device)
+    _decode_bytes_kernel[(1,)](raw, f32, f16, placed, N=256, PLACE=place)
     want = raw.cpu().view(torch.float8_e4m3fn).float()
     assert want.isnan().sum() == 2
-    for got in (f32.cpu(), f16.cpu().float()):
+    for got in (f32.cpu(), f16.cpu().float()) + ((placed.cpu(),) if place else ()):
         torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
         number = ~want.isnan()  # the sign of every number, zeros included (a NaN's sign means nothing)
         assert torch.equal(got[number].view(torch.int32) >> 31, want[number].view(torch.int32) >> 31)
