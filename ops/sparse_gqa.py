@@ -532,6 +532,9 @@ def _sparse_gqa_decode_kernel(
     # 2**-8, which the score factor takes back for K and the float16 multiply of the V tile for V
     PLACE8: tl.constexpr = PLACE and KV_FMT == 0 and kv_ptr.dtype.element_ty == tl.uint8
     if PLACE8:
+        # V takes its 2**8 back in the float16 product of the DOT == 0 branches below, which only
+        # float16 operands reach (_dot_dtype gives them for every float8 cache)
+        tl.static_assert(DOT == 0, "float8 bytes placed as float16 need float16 MMA operands")
         qk = qk * E4M3_PLACE_MULT
     qk = tl.minimum(tl.maximum(qk, -FLT_MAX), FLT_MAX)  # an overflow saturates instead of giving inf * 0
 
