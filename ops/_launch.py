@@ -446,19 +446,31 @@ class KernelLaunch:
         else:
             launch(g0, g1, g2, _raw_stream(self.device), *head, *tail, args)
 
-    def _jit_launch(self, args):
+    def shared_bytes(self, *tensors) -> int:
+        """Shared memory per block of this launch's kernel as compiled for the current GPU, with
+        ``tensors`` as a call would pass them. Nothing is launched: a first launch with tensors of the
+        same specialisation finds the build in Triton's cache. For planners whose estimate of a kernel's
+        shared memory may fall short of what the compiler gives on some GPU."""
+        return self._jit_launch(self._with_tensors(self.template.copy(), tensors), compile_only=True).metadata.shared
+
+    def _jit_launch(self, args, compile_only=False):
         n = len(args) - len(self.meta) if getattr(self.kernel, "arg_names", None) is not None else len(args)
         if self.device is None or _get_device() == self.device:
-            return self._jit_launch_scoped(args[:n])
+            return self._jit_launch_scoped(args[:n], compile_only)
         with torch.cuda.device(self.device):
-            return self._jit_launch_scoped(args[:n])
+            return self._jit_launch_scoped(args[:n], compile_only)
 
-    def _jit_launch_scoped(self, args):
+    def _jit_launch_scoped(self, args, compile_only=False):
+        here = self._compile_here if compile_only else self._jit_launch_here
         if not _amd_buffer_ops_off():
-            return self._jit_launch_here(args)
+            return here(args)
         with triton.knobs.amd.scope():
             triton.knobs.amd.use_buffer_ops = False
-            return self._jit_launch_here(args)
+            return here(args)
+
+    def _compile_here(self, args):
+        """The kernel's build for ``args`` (compiled, or found in Triton's cache), not launched."""
+        return self.kernel.warmup(*args, grid=self.grid, **self.meta, **self.options)
 
     def _jit_launch_here(self, args):
         try:

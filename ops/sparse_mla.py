@@ -26,6 +26,7 @@ Triton design (``docs/sparse_mla.md`` has the reasoning and the measured registe
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import torch
 
@@ -579,7 +580,8 @@ def _safe_max(m_max):
 
 
 def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None, *,
-                dim: int = 576, head_dim_v: int = 512, shared_bytes: int = DEFAULT_SHARED_BYTES) -> LaunchPlan:
+                dim: int = 576, head_dim_v: int = 512, shared_bytes: int = DEFAULT_SHARED_BYTES,
+                compiled_shared: Callable[[LaunchPlan], int] | None = None) -> LaunchPlan:
     """Launch configuration of the portable kernel, from shapes only (no autotune: it would re-run
     inside CUDA-graph capture).
 
@@ -596,6 +598,11 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
       and ``block_h`` halve (down to 16) until the Q and K tiles fit the shared memory
       (:func:`shared_bytes_estimate`); the model shapes (D = 576 / 512) keep the configuration above. ``ValueError`` if even 16 x 16 tiles do not
       fit ``shared_bytes``.
+    - ``compiled_shared`` (the launcher passes it on a GPU): the shared memory of a plan's kernel as
+      compiled for the device. The estimate describes the sm_90 build; other GPUs' builds (an A100's, a
+      99 KB sm_86 / sm_89 / sm_120 GPU's) need more for the same tiles. A plan whose build does not fit
+      ``shared_bytes`` takes one software-pipelining stage instead of two, then smaller tiles in the
+      order above, until one fits (``ValueError`` if none does).
     """
     pv, pt, has_tail = _pieces(dim, head_dim_v)
     block_h = min(64, max(16, next_pow2(num_heads)))
@@ -615,7 +622,19 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
     # SMs (T = 4, H = 128: 32-entry blocks run 25% faster).
     programs = max(num_tokens * head_blocks_for(block_h), 1)
     block_n = 64 if programs * splits_for(block_h, 64) >= num_sms else 32
-    while shared_bytes_estimate(block_h, block_n, dim, head_dim_v) > shared_bytes:
+    needed = 0  # the shared memory of the last build that did not fit (0: only estimates so far)
+    while True:
+        if shared_bytes_estimate(block_h, block_n, dim, head_dim_v) <= shared_bytes:
+            plan = LaunchPlan(block_h=block_h, head_blocks=head_blocks_for(block_h), block_n=block_n,
+                              num_splits=splits_for(block_h, block_n) if num_splits is None else num_splits,
+                              num_warps=8, num_stages=2)
+            if compiled_shared is None:
+                return plan
+            for stages in (2, 1):
+                plan = dataclasses.replace(plan, num_stages=stages)
+                needed = compiled_shared(plan)
+                if needed <= shared_bytes:
+                    return plan
         if block_n > 16:
             block_n //= 2
         elif block_h > 16:
@@ -623,12 +642,15 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
         else:
             raise ValueError(
                 f"sparse_mla_decode: D = {dim} with head_dim_v = {head_dim_v} needs "
-                f"{shared_bytes_estimate(16, 16, dim, head_dim_v)} bytes of shared memory per block even with "
-                f"16 x 16 tiles; this GPU allows {shared_bytes}")
-    if num_splits is None:
-        num_splits = splits_for(block_h, block_n)
-    return LaunchPlan(block_h=block_h, head_blocks=head_blocks_for(block_h), block_n=block_n,
-                      num_splits=num_splits, num_warps=8, num_stages=2)
+                f"{max(needed, shared_bytes_estimate(16, 16, dim, head_dim_v))} bytes of shared memory per "
+                f"block even with 16 x 16 tiles; this GPU allows {shared_bytes}")
+
+
+def fit_by_compiling(device: torch.device) -> bool:
+    """Whether the launcher checks a plan's tiles against the kernel compiled for ``device``
+    (``plan_launch``'s ``compiled_shared``): on every GPU, not under the interpreter, which compiles
+    nothing. ``scripts/compile_sm90.py`` turns it on for the GPU it compiles for."""
+    return device.type == "cuda"
 
 
 def shared_bytes_estimate(block_h: int, block_n: int, dim: int, head_dim_v: int) -> int:
@@ -829,8 +851,18 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
         if use_hopper:
             plan = hopper.plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device), num_splits)
         else:
+            def compiled_shared(p: LaunchPlan) -> int:  # the build of plan p for this GPU, not launched
+                _, launch, _ = _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length,
+                                              attn_sink, extra_kv_cache, extra_indices, extra_topk_length, out, lse, p)
+                ws = lse if p.num_splits == 1 else torch.empty(4, dtype=torch.float32, device=q.device)
+                return launch.shared_bytes(q, kv_cache, indices, *_stand_ins(
+                    kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length, lse),
+                    out, lse, ws)
+
             plan = plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device), num_splits,
-                               dim=q.shape[2], head_dim_v=head_dim_v, shared_bytes=shared_memory_per_block(q.device))
+                               dim=q.shape[2], head_dim_v=head_dim_v, shared_bytes=shared_memory_per_block(q.device),
+                               compiled_shared=compiled_shared if fit_by_compiling(q.device) and not (
+                                   config and {"block_h", "block_n", "num_stages"} & set(config)) else None)
         plan = plan.with_overrides(config)
         if plan.head_blocks != cdiv(q.shape[1], plan.block_h):  # a block_h override
             plan = dataclasses.replace(plan, head_blocks=cdiv(q.shape[1], plan.block_h))

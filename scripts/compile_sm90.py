@@ -11,9 +11,12 @@ device, ``_GPU_ONLY_FLAGS``, as for CUDA tensors) and launches nothing. Per kern
 registers and spills (``ptxas -v``) and the shared memory the launch asks for (against the 232,448
 bytes an sm_90 block may use).
 
-``--arch N`` compiles for sm_N instead (80 for an A100, 86, 89, 100, 120): the portable kernels a GPU
-other than sm_90 runs, with the float8 choice the launchers make for it (``float8_conversions``: before
-sm_89 float8 tensors reach the kernels as bytes and convert by integer operations). ``--arch gfxNNN``
+``--arch N`` compiles for sm_N instead (75, 80 for an A100, 86, 87, 89, 100, 103, 120, 121): the portable
+kernels a GPU other than sm_90 runs, with the float8 choice the launchers make for it
+(``float8_conversions``: before sm_89 float8 tensors reach the kernels as bytes and convert by integer
+operations) and the sparse-MLA tiles planned for the shared memory a block may use there
+(``NVIDIA_SHARED_BYTES``: 166,912 bytes on an A100, 101,376 on sm_86); a launch that asks for more is
+marked ``> sm_N limit``. ``--arch gfxNNN``
 compiles them with Triton's AMD backend for that GPU of a ROCm build of PyTorch (gfx90a for an MI200,
 gfx942 for an MI300, gfx950 for an MI350, gfx1100 and gfx1201 for Radeon GPUs), as the launchers plan
 them there (float8 tensors as bytes, every float8 conversion by integer operations; the inline PTX is
@@ -59,6 +62,12 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime.driver import driver  # noqa: E402
 
 SM90_MAX_SHARED = 232_448  # bytes of shared memory an sm_90 thread block may use (opt-in)
+# The opt-in shared memory per thread block of NVIDIA GPUs by compute capability (CUDA's tables: 64 KB
+# on sm_75, 163 KB on sm_80 and sm_87, 99 KB on sm_86, sm_89 and sm_12x, 227 KB on sm_90 and sm_10x):
+# what ``torch.cuda.get_device_properties(...).shared_memory_per_block_optin`` reports there, and so
+# what the sparse-MLA planner fits its tiles to on such a GPU.
+NVIDIA_SHARED_BYTES = {75: 65_536, 80: 166_912, 86: 101_376, 87: 166_912, 89: 101_376, 90: SM90_MAX_SHARED,
+                       100: SM90_MAX_SHARED, 103: SM90_MAX_SHARED, 120: 101_376, 121: 101_376}
 
 
 class _OfflineDriver:
@@ -129,13 +138,25 @@ _GPU_ONLY_FLAGS = ("USE_ASM", "HW_CVT")  # meta a launcher sets from the tensors
 
 
 FAILED: list[tuple[str, str, str]] = []  # (case, kernel name, error)
+SHARED_LIMIT = [SM90_MAX_SHARED]  # the target's shared memory per block (main sets it from --arch)
+RETRIED: set[int] = set()  # ids of the compiles that stand for a launch retried with one stage
+
+
+def _gpu_meta(self) -> dict:
+    return {k: (True if k in _GPU_ONLY_FLAGS else v) for k, v in self.meta.items()}  # as for CUDA tensors
 
 
 def _record(self, args):
     name = self.kernel.fn.__name__
-    meta = {k: (True if k in _GPU_ONLY_FLAGS else v) for k, v in self.meta.items()}  # as for CUDA tensors
+    meta = _gpu_meta(self)
     try:
         compiled = self.kernel.warmup(*args, grid=self.grid, **meta, **self.options)
+        if compiled.metadata.shared > SHARED_LIMIT[0] and self.options.get("num_stages", 1) > 1:
+            # the GPU would refuse this launch and KernelLaunch._jit_launch_here would retry it without
+            # software pipelining (and keep that for later calls): that build is the one the GPU runs
+            self.options["num_stages"] = 1
+            compiled = self.kernel.warmup(*args, grid=self.grid, **meta, **self.options)
+            RETRIED.add(id(compiled))
         COMPILED.append((_CASE[0], name, compiled))
     except _StopAfterTTIR as stop:
         COMPILED.append((_CASE[0], name, stop.ttir))
@@ -146,6 +167,10 @@ def _record(self, args):
 
 
 _launch.KernelLaunch._jit_launch_here = _record
+# the sparse-MLA planner fits its tiles to the build for the target, as on that GPU (builds not recorded;
+# main turns the fit on unless compiles stop at the TTIR)
+_launch.KernelLaunch._compile_here = lambda self, args: self.kernel.warmup(
+    *args, grid=self.grid, **_gpu_meta(self), **self.options)
 # the launchers' float8 choice for the target, not for the CPU tensors the cases pass
 _launch.float8_conversions = gqa_ops.float8_conversions = (
     lambda device: not isinstance(_OfflineDriver.arch, str) and _OfflineDriver.arch >= 89)
@@ -242,11 +267,13 @@ def case_sparse_mla_fp8():
 
 
 def case_sparse_mla_model():
-    """The DeepSeek decode shapes with contiguous tensors, as the benchmark runs them."""
+    """The DeepSeek decode shapes with contiguous tensors, as the benchmark runs them: at 64 and 128 heads
+    the planner's tiles for a batch that fills the GPU (64 x 64 where they fit the target's shared
+    memory), at 16 heads 32-entry blocks."""
     for kv_format in ("fp8_656", "fp8_584"):
-        for h, block_n in ((64, 64), (128, 64), (16, 32)):
-            _mla(kv_format, t=2, h=h, k=2048, dtype=BF16, num_splits=1, lengths=False, sink=False,
-                 config=dict(block_n=block_n), contiguous=True)
+        for h, config in ((64, None), (128, None), (16, dict(block_n=32))):
+            _mla(kv_format, t=132, h=h, k=2048, dtype=BF16, num_splits=1, lengths=False, sink=False,
+                 config=config, contiguous=True)
 
 
 def case_sparse_mla_large_dims():
@@ -487,9 +514,12 @@ def _report(found: dict, title: str, what: str, listing: bool) -> None:
 
 
 def _arch(value: str) -> int | str:
-    """``--arch``: a compute capability (``90``) or an AMD GPU's gfx name (``gfx942``)."""
+    """``--arch``: a compute capability (``90``; one of ``NVIDIA_SHARED_BYTES``) or an AMD GPU's gfx name
+    (``gfx942``)."""
     if re.fullmatch(r"gfx[0-9a-f]+", value):
         return value
+    if not value.isdigit() or int(value) not in NVIDIA_SHARED_BYTES:
+        raise argparse.ArgumentTypeError(f"{value!r}: a gfx name or one of {sorted(NVIDIA_SHARED_BYTES)}")
     return int(value)
 
 
@@ -510,8 +540,11 @@ def main(argv=None) -> int:
     _OfflineDriver.arch = args.arch
     amd = isinstance(args.arch, str)
     target = args.arch if amd else f"sm_{args.arch}"
-    if amd:  # plan the portable sparse-MLA tiles for the GPU's LDS, as on a ROCm device
-        mla_ops.shared_memory_per_block = lambda device: AMD_LDS_BYTES.get(args.arch, 65_536)
+    # the shared memory a block may use on the target, which the portable sparse-MLA planner fits its tiles
+    # to on that GPU (the stand-in tensors are CPU tensors, for which the library assumes sm_90's)
+    limit = SHARED_LIMIT[0] = AMD_LDS_BYTES.get(args.arch, 65_536) if amd else NVIDIA_SHARED_BYTES[args.arch]
+    mla_ops.shared_memory_per_block = lambda device: limit
+    mla_ops.fit_by_compiling = lambda device: not args.ttir_only
 
     for case in args.cases:
         _CASE[0] = case
@@ -536,10 +569,11 @@ def main(argv=None) -> int:
         shared = compiled.metadata.shared
         if amd:
             regs, spill = _amdgcn_usage(compiled.asm["amdgcn"])
-            flag = "  > LDS limit" if shared > AMD_LDS_BYTES.get(args.arch, 65_536) else ""
         else:
             regs, spill = _ptxas_usage(compiled.asm["ptx"])
-            flag = "  > sm_90 limit" if args.arch == 90 and shared > SM90_MAX_SHARED else ""
+        flag = f"  > {'LDS' if amd else target} limit" if shared > limit else ""
+        if id(compiled) in RETRIED:
+            flag += "  one stage (the launcher's retry)"
         print(f"{case:<22} {name:<36} {regs:>5} {spill:>8} {shared:>9}{flag}")
     print(f"{len(COMPILED)} launches compiled for {target} (triton {triton.__version__})")
     for case, name, error in FAILED:

@@ -339,6 +339,21 @@ def test_portable_kernels_compile_for_other_gpus(arch, target, backend):
             "_gqa_kv_cache_insert_kernel", "_sparse_mla_decode_kernel"} <= kernels, kernels
 
 
+def test_portable_sparse_mla_model_shapes_fit_an_a100():
+    """Without a GPU: the portable sparse-MLA decode at the DeepSeek model shapes (both float8 formats, 64
+    and 128 heads, a batch that fills the GPU), planned and built for an A100 (sm_80, 166,912 bytes of
+    shared memory per block), asks for no more than that. The planner's estimate describes the sm_90
+    build: for the DeepSeek-V4 format the sm_80 build of its 64 x 64 tiles needs 180,736 bytes (180,224
+    with one stage), so until the launcher fitted the tiles to the compiled kernel those calls failed
+    on an A100 with Triton's out-of-resources error."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    result = run_offline_compile("compile_sm90.py", "--arch", "80", "--cases", "sparse_mla_model")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = re.findall(r"^sparse_mla_model\s+_sparse_mla_decode_kernel\s+(\d+)\s+(\d+)\s+(\d+)(.*)$", result.stdout, re.M)
+    assert len(rows) == 6, result.stdout[-2000:]
+    assert all(int(shared) <= 166_912 and not rest.strip() for _, _, shared, rest in rows), result.stdout[-2000:]
+
+
 @pytest.mark.parametrize("arch", ["80", "86"])
 def test_portable_sparse_gqa_model_shapes_do_not_spill_before_sm89(arch):
     """Without a GPU: the portable sparse-GQA decode at the benchmark's MiniMax-M3 shapes (float8 and

@@ -581,6 +581,39 @@ def test_plan_fits_shared_memory():
         mla_ops.plan_launch(1, 16, 64, 132, dim=2048, head_dim_v=1025, shared_bytes=101_376)
 
 
+def test_plan_fits_compiled_shared_memory():
+    """With the compiled size of each plan's kernel (``compiled_shared``, what the launcher passes on a
+    GPU), a plan whose build does not fit the GPU takes one stage, then smaller tiles in the planner's
+    order (``block_n`` first), until one fits; a build that fits is kept as the estimate chose it, and
+    none fitting is a ValueError naming the compiled size."""
+    def planned(build, limit, **kw):
+        seen = []
+
+        def compiled_shared(plan):
+            seen.append((plan.block_h, plan.block_n, plan.num_stages))
+            return build(plan)
+        plan = mla_ops.plan_launch(200, 64, 2048, 132, dim=512, head_dim_v=512, shared_bytes=limit,
+                                   compiled_shared=compiled_shared, **kw)
+        return plan, seen
+
+    # an sm_80 build of the DeepSeek-V4 format: 180,736 / 180,224 bytes at 64 x 64, 123,136 at 64 x 32
+    sizes = {(64, 64, 2): 180_736, (64, 64, 1): 180_224, (64, 32, 2): 123_136}
+    plan, seen = planned(lambda p: sizes[(p.block_h, p.block_n, p.num_stages)], 166_912)
+    assert seen == [(64, 64, 2), (64, 64, 1), (64, 32, 2)]
+    assert (plan.block_h, plan.block_n, plan.num_stages, plan.head_blocks, plan.num_splits) == (64, 32, 2, 1, 1)
+    # one stage is enough
+    plan, seen = planned(lambda p: 150_000 if p.num_stages == 1 else 170_000, 166_912)
+    assert (plan.block_h, plan.block_n, plan.num_stages) == (64, 64, 1) and len(seen) == 2
+    # a build that fits keeps the estimate's plan (the one planned without compiling)
+    plan, seen = planned(lambda p: 100_000, 232_448)
+    assert plan == mla_ops.plan_launch(200, 64, 2048, 132, dim=512, head_dim_v=512) and seen == [(64, 64, 2)]
+    # block_h halves once block_n is 16; the given split count stays
+    plan, _ = planned(lambda p: 60_000 if p.block_h == 32 else 70_000, 65_536, num_splits=3)
+    assert (plan.block_h, plan.block_n, plan.head_blocks, plan.num_splits) == (32, 16, 2, 3)
+    with pytest.raises(ValueError, match=r"needs 70000 bytes of shared memory per block even with 16 x 16 tiles"):
+        planned(lambda p: 70_000, 65_536)
+
+
 @requires_interpreter
 @pytest.mark.parametrize("kv_format", fr.FORMATS)
 def test_triton_interpreter_block_n_64(kv_format):
@@ -962,6 +995,32 @@ def test_cuda_fp8_584_large_tile_scales():
         out, lse = _outputs_like(kwargs, "cuda")
         mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, num_splits=num_splits)
         _assert_tile_ranges(out, lse, ref_out, ref_lse, tensor_cores=True)
+
+
+@requires_cuda
+@pytest.mark.parametrize("kv_format", ["fp8_584", "fp8_656"])
+def test_cuda_portable_plan_fits_compiled_shared_memory(kv_format, monkeypatch):
+    """On the GPU the portable launcher fits its tiles to the kernel compiled for it: with the estimate
+    taken away and a shared-memory limit below what the 64 x 64 build needs, the plan is made by
+    compiling (``KernelLaunch.shared_bytes``), its build fits the limit and its output is right."""
+    limit = 60_000
+    monkeypatch.setattr(mla_ops, "shared_bytes_estimate", lambda *args: 0)
+    monkeypatch.setattr(mla_ops, "shared_memory_per_block", lambda device: limit)
+    monkeypatch.setattr(mla_ops, "_PLANS", type(mla_ops._PLANS)())
+    spec = Spec(kv_format=kv_format, T=2, H=64, K=96, dtype=torch.bfloat16, lengths=True, sink="finite")
+    kwargs = make_inputs(spec)
+    dev = _to_device(kwargs, "cuda")
+    sizes = []
+    shared_bytes = mla_ops.KernelLaunch.shared_bytes
+
+    def record(self, *tensors):
+        sizes.append(shared_bytes(self, *tensors))
+        return sizes[-1]
+    monkeypatch.setattr(mla_ops.KernelLaunch, "shared_bytes", record)
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, path="portable")
+    assert len(sizes) >= 2 and sizes[0] > limit >= sizes[-1], sizes
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 
 @requires_cuda
