@@ -581,7 +581,7 @@ def _safe_max(m_max):
 
 def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None, *,
                 dim: int = 576, head_dim_v: int = 512, shared_bytes: int = DEFAULT_SHARED_BYTES,
-                compiled_shared: Callable[[LaunchPlan], int] | None = None) -> LaunchPlan:
+                compiled_shared: Callable[[LaunchPlan], int] | None = None, trust_estimate: bool = True) -> LaunchPlan:
     """Launch configuration of the portable kernel, from shapes only (no autotune: it would re-run
     inside CUDA-graph capture).
 
@@ -602,7 +602,9 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
       compiled for the device. The estimate describes the sm_90 build; other GPUs' builds (an A100's, a
       99 KB sm_86 / sm_89 / sm_120 GPU's) need more for the same tiles. A plan whose build does not fit
       ``shared_bytes`` takes one software-pipelining stage instead of two, then smaller tiles in the
-      order above, until one fits (``ValueError`` if none does).
+      order above, until one fits (``ValueError`` if none does). With ``trust_estimate`` (sm_90, where
+      the estimate lies above the build) tiles the estimate rejects are not compiled; otherwise every
+      candidate is compiled, since a build may also need less than the estimate.
     """
     pv, pt, has_tail = _pieces(dim, head_dim_v)
     block_h = min(64, max(16, next_pow2(num_heads)))
@@ -622,9 +624,9 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
     # SMs (T = 4, H = 128: 32-entry blocks run 25% faster).
     programs = max(num_tokens * head_blocks_for(block_h), 1)
     block_n = 64 if programs * splits_for(block_h, 64) >= num_sms else 32
-    needed = 0  # the shared memory of the last build that did not fit (0: only estimates so far)
     while True:
-        if shared_bytes_estimate(block_h, block_n, dim, head_dim_v) <= shared_bytes:
+        needed = shared_bytes_estimate(block_h, block_n, dim, head_dim_v)
+        if needed <= shared_bytes or (compiled_shared is not None and not trust_estimate):
             plan = LaunchPlan(block_h=block_h, head_blocks=head_blocks_for(block_h), block_n=block_n,
                               num_splits=splits_for(block_h, block_n) if num_splits is None else num_splits,
                               num_warps=8, num_stages=2)
@@ -641,9 +643,8 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
             block_h //= 2
         else:
             raise ValueError(
-                f"sparse_mla_decode: D = {dim} with head_dim_v = {head_dim_v} needs "
-                f"{max(needed, shared_bytes_estimate(16, 16, dim, head_dim_v))} bytes of shared memory per "
-                f"block even with 16 x 16 tiles; this GPU allows {shared_bytes}")
+                f"sparse_mla_decode: D = {dim} with head_dim_v = {head_dim_v} needs {needed} bytes of shared "
+                f"memory per block even with 16 x 16 tiles; this GPU allows {shared_bytes}")
 
 
 def fit_by_compiling(device: torch.device) -> bool:
@@ -651,6 +652,13 @@ def fit_by_compiling(device: torch.device) -> bool:
     (``plan_launch``'s ``compiled_shared``): on every GPU, not under the interpreter, which compiles
     nothing. ``scripts/compile_sm90.py`` turns it on for the GPU it compiles for."""
     return device.type == "cuda"
+
+
+def estimate_bounds_build(device: torch.device) -> bool:
+    """Whether :func:`shared_bytes_estimate` lies above the compiled kernel's shared memory on ``device``
+    (the sm_90 build it was made from), so that the planner need not compile tiles it rejects.
+    ``scripts/compile_sm90.py`` answers for the GPU it compiles for."""
+    return device.type != "cuda" or hopper._is_sm90(device)
 
 
 def shared_bytes_estimate(block_h: int, block_n: int, dim: int, head_dim_v: int) -> int:
@@ -862,7 +870,8 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
             plan = plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device), num_splits,
                                dim=q.shape[2], head_dim_v=head_dim_v, shared_bytes=shared_memory_per_block(q.device),
                                compiled_shared=compiled_shared if fit_by_compiling(q.device) and not (
-                                   config and {"block_h", "block_n", "num_stages"} & set(config)) else None)
+                                   config and {"block_h", "block_n", "num_stages"} & set(config)) else None,
+                               trust_estimate=estimate_bounds_build(q.device))
         plan = plan.with_overrides(config)
         if plan.head_blocks != cdiv(q.shape[1], plan.block_h):  # a block_h override
             plan = dataclasses.replace(plan, head_blocks=cdiv(q.shape[1], plan.block_h))

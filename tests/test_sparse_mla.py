@@ -612,6 +612,15 @@ def test_plan_fits_compiled_shared_memory():
     assert (plan.block_h, plan.block_n, plan.head_blocks, plan.num_splits) == (32, 16, 2, 3)
     with pytest.raises(ValueError, match=r"needs 70000 bytes of shared memory per block even with 16 x 16 tiles"):
         planned(lambda p: 70_000, 65_536)
+    # where the estimate does not bound the build (GPUs other than sm_90), the tiles it rejects are
+    # compiled too: an sm_86 build of the DeepSeek-V3.2 tiles, 90,624 bytes where the estimate says 151,552
+    plan, seen = planned(lambda p: 90_624, 101_376, trust_estimate=False)
+    assert (plan.block_h, plan.block_n) == (64, 64) and seen == [(64, 64, 2)]
+    plan, seen = planned(lambda p: 90_624, 101_376)
+    assert seen[0][:2] != (64, 64) and mla_ops.shared_bytes_estimate(*seen[0][:2], 512, 512) <= 101_376
+    plan, seen = planned(lambda p: 50_000 if p.block_h == 16 else 90_000, 60_000, trust_estimate=False)
+    assert (plan.block_h, plan.block_n, plan.num_stages) == (16, 16, 2)
+    assert seen[::2] == [(64, 64, 2), (64, 32, 2), (64, 16, 2), (32, 16, 2), (16, 16, 2)], seen
 
 
 @requires_interpreter
