@@ -599,8 +599,8 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
       (:func:`shared_bytes_estimate`); the model shapes (D = 576 / 512) keep the configuration above. ``ValueError`` if even 16 x 16 tiles do not
       fit ``shared_bytes``.
     - ``compiled_shared`` (the launcher passes it on a GPU): the shared memory of a plan's kernel as
-      compiled for the device. The estimate describes the sm_90 build; other GPUs' builds (an A100's, a
-      99 KB sm_86 / sm_89 / sm_120 GPU's) need more for the same tiles. A plan whose build does not fit
+      compiled for the device. The estimate describes the sm_90 build; other GPUs' builds of the same
+      tiles may need more (an A100's of the DeepSeek-V4 format) or less. A plan whose build does not fit
       ``shared_bytes`` takes one software-pipelining stage instead of two, then smaller tiles in the
       order above, until one fits (``ValueError`` if none does). With ``trust_estimate`` (sm_90, where
       the estimate lies above the build) tiles the estimate rejects are not compiled; otherwise every
