@@ -147,16 +147,19 @@ def _gpu_meta(self) -> dict:
     return {k: (True if k in _GPU_ONLY_FLAGS else v) for k, v in self.meta.items()}  # as for CUDA tensors
 
 
+def _compile(self, args):
+    return self.kernel.warmup(*args, grid=self.grid, **_gpu_meta(self), **self.options)
+
+
 def _record(self, args):
     name = self.kernel.fn.__name__
-    meta = _gpu_meta(self)
     try:
-        compiled = self.kernel.warmup(*args, grid=self.grid, **meta, **self.options)
+        compiled = _compile(self, args)
         if compiled.metadata.shared > SHARED_LIMIT[0] and self.options.get("num_stages", 1) > 1:
             # the GPU would refuse this launch and KernelLaunch._jit_launch_here would retry it without
             # software pipelining (and keep that for later calls): that build is the one the GPU runs
             self.options["num_stages"] = 1
-            compiled = self.kernel.warmup(*args, grid=self.grid, **meta, **self.options)
+            compiled = _compile(self, args)
             RETRIED.add(id(compiled))
         COMPILED.append((_CASE[0], name, compiled))
     except _StopAfterTTIR as stop:
@@ -170,8 +173,7 @@ def _record(self, args):
 _launch.KernelLaunch._jit_launch_here = _record
 # the sparse-MLA planner fits its tiles to the build for the target, as on that GPU (builds not recorded;
 # main turns the fit on unless compiles stop at the TTIR)
-_launch.KernelLaunch._compile_here = lambda self, args: self.kernel.warmup(
-    *args, grid=self.grid, **_gpu_meta(self), **self.options)
+_launch.KernelLaunch._compile_here = _compile
 # the launchers' float8 choice for the target, not for the CPU tensors the cases pass
 _launch.float8_conversions = gqa_ops.float8_conversions = (
     lambda device: not isinstance(_OfflineDriver.arch, str) and _OfflineDriver.arch >= 89)
