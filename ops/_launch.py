@@ -116,6 +116,13 @@ def compute_capability(device: torch.device) -> tuple[int, int]:
     return cap
 
 
+def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
+    """The compute capability of ``device`` where Triton's NVIDIA backend builds its kernels (a CUDA GPU
+    of a CUDA build of PyTorch), else None: choices of NVIDIA-only compile options (``maxnreg``, the
+    PTX ``.maxnreg`` directive) ask this."""
+    return compute_capability(device) if device.type == "cuda" and not hip() else None
+
+
 def float8_conversions(device: torch.device) -> bool:
     """Whether kernels for ``device`` may use Triton's float8 types: an NVIDIA GPU of compute capability
     8.9 or later. Triton refuses them on an earlier GPU (Ampere), and the kernels take float8 tensors
@@ -486,5 +493,5 @@ class KernelLaunch:
 
 __all__ = ["DEFAULT_SHARED_BYTES", "HOPPER_REG_ALLOC", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch",
            "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "compute_capability", "float8_conversions",
-           "hip", "hopper_ptx_options", "multiprocessor_count", "next_pow2", "prev_pow2", "scratch",
-           "shared_memory_per_block", "wait_for_prior_grid"]
+           "hip", "hopper_ptx_options", "multiprocessor_count", "next_pow2", "nvidia_capability", "prev_pow2",
+           "scratch", "shared_memory_per_block", "wait_for_prior_grid"]

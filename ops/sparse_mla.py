@@ -46,6 +46,7 @@ from ._launch import (
     cdiv,
     multiprocessor_count,
     next_pow2,
+    nvidia_capability,
     scratch,
     shared_memory_per_block,
     wait_for_prior_grid,
@@ -59,6 +60,14 @@ _FLT_MAX = tl.constexpr(FLT_MAX)
 _LN2 = tl.constexpr(LN2)
 _TORCH_CHUNK_ELEMENTS = 1 << 24  # float32 elements of dequantised K (and scores) per CPU chunk of tokens
 _MIN_BLOCKS_PER_SPLIT = 4  # candidate blocks per split program, so the combine stays cheap
+# ptxas's register bound for the decode kernel by compute capability (Triton's ``maxnreg``; elsewhere
+# ptxas chooses). ptxas does not see the dynamic shared memory that already holds an SM to one program
+# at the planner's tiles, and left to itself it may aim its allocation at two or more programs per SM:
+# 128 registers and 2,756 bytes of spill stores per thread for an A100's DeepSeek-V4 tiles (1,244 at
+# 255), 32 registers and 5,374 bytes for a D = 2048 build there. With the bound no sm_80 build spills
+# more, and on an H100 the portable kernel ran 0-10% faster; on sm_86 and sm_89 it made the model
+# shapes' builds spill more, so they keep ptxas's choice (docs/sparse_mla.md, "Registers").
+_DECODE_MAXNREG = {(8, 0): 255, (9, 0): 255}
 
 
 # =====================================================================================================
@@ -596,8 +605,8 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
     - Head dims past the model's (``D`` up to ``MAX_CUDA_DIM`` = 2048, checked by the fake):
       ``block_h`` shrinks until the accumulator stays at 128 registers per thread, then ``block_n``
       and ``block_h`` halve (down to 16) until the Q and K tiles fit the shared memory
-      (:func:`shared_bytes_estimate`); the model shapes (D = 576 / 512) keep the configuration above. ``ValueError`` if even 16 x 16 tiles do not
-      fit ``shared_bytes``.
+      (:func:`shared_bytes_estimate`); the model shapes (D = 576 / 512) keep the configuration above.
+      ``ValueError`` if even 16 x 16 tiles do not fit ``shared_bytes``.
     - ``compiled_shared`` (the launcher passes it on a GPU): the shared memory of a plan's kernel as
       compiled for the device. The estimate describes the sm_90 build; other GPUs' builds of the same
       tiles may need more (an A100's of the DeepSeek-V4 format) or less. A plan whose build does not fit
@@ -741,7 +750,8 @@ def _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, t
         HAS_SINK=attn_sink is not None, SPLIT=splits > 1,
     )
     main = KernelLaunch(_sparse_mla_decode_kernel, (num_tokens * splits * plan.head_blocks,), args, meta,
-                        num_warps=plan.num_warps, num_stages=plan.num_stages, device=q.device)
+                        num_warps=plan.num_warps, num_stages=plan.num_stages, device=q.device,
+                        maxnreg=_DECODE_MAXNREG.get(nvidia_capability(q.device)))
     if splits == 1:
         return ws_numel, main, None
     return ws_numel, main, _make_combine(num_tokens, num_heads, head_dim_v, 4 * pv, splits, ws_ml_off, attn_sink,

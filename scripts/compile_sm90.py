@@ -177,6 +177,9 @@ _launch.KernelLaunch._compile_here = _compile
 # the launchers' float8 choice for the target, not for the CPU tensors the cases pass
 _launch.float8_conversions = gqa_ops.float8_conversions = (
     lambda device: not isinstance(_OfflineDriver.arch, str) and _OfflineDriver.arch >= 89)
+# and their NVIDIA-only compile options (the sparse-MLA decode's register bound) for the target's capability
+mla_ops.nvidia_capability = (
+    lambda device: None if isinstance(_OfflineDriver.arch, str) else divmod(_OfflineDriver.arch, 10))
 
 
 # =====================================================================================================

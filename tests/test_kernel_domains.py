@@ -345,13 +345,17 @@ def test_portable_sparse_mla_model_shapes_fit_an_a100():
     shared memory per block), asks for no more than that. The planner's estimate describes the sm_90
     build: for the DeepSeek-V4 format the sm_80 build of its 64 x 64 tiles needs 180,736 bytes (180,224
     with one stage), so until the launcher fitted the tiles to the compiled kernel those calls failed
-    on an A100 with Triton's out-of-resources error."""
+    on an A100 with Triton's out-of-resources error. And no build that spills has fewer than 255
+    registers: without the launcher's register bound (``_DECODE_MAXNREG``) ptxas built the DeepSeek-V4
+    tiles with 128 registers and 2,756 bytes of spill stores (1,244 with it), its allocation aimed at two
+    programs per SM where the shared memory holds one."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     result = run_offline_compile("compile_sm90.py", "--arch", "80", "--cases", "sparse_mla_model")
     assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
     rows = re.findall(r"^sparse_mla_model\s+_sparse_mla_decode_kernel\s+(\d+)\s+(\d+)\s+(\d+)(.*)$", result.stdout, re.M)
     assert len(rows) == 6, result.stdout[-2000:]
     assert all(int(shared) <= 166_912 and not rest.strip() for _, _, shared, rest in rows), result.stdout[-2000:]
+    assert all(int(spill) == 0 or int(regs) == 255 for regs, spill, _, _ in rows), result.stdout[-2000:]
 
 
 @pytest.mark.parametrize("arch", ["80", "86"])

@@ -623,6 +623,25 @@ def test_plan_fits_compiled_shared_memory():
     assert seen[::2] == [(64, 64, 2), (64, 32, 2), (64, 16, 2), (32, 16, 2), (16, 16, 2)], seen
 
 
+@pytest.mark.parametrize("capability, maxnreg", [((8, 0), 255), ((9, 0), 255), ((8, 6), None), ((8, 9), None),
+                                                   ((12, 0), None), (None, None)])
+def test_decode_register_bound_by_capability(capability, maxnreg, monkeypatch):
+    """The portable decode launch asks ptxas for its register bound (Triton's ``maxnreg``) on an A100
+    and on sm_90, and leaves the choice to ptxas on other NVIDIA GPUs and where Triton's NVIDIA backend
+    does not build the kernel (capability None: AMD GPUs, the interpreter), whose options have no
+    ``maxnreg``."""
+    monkeypatch.setattr(mla_ops, "nvidia_capability", lambda device: capability)
+    t, h, k = 2, 16, 64
+    q = torch.zeros(t, h, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 64, 576, dtype=torch.bfloat16)
+    indices = torch.zeros(t, k, dtype=torch.int32)
+    out, lse = torch.empty(t, h, 512, dtype=torch.bfloat16), torch.empty(t, h)
+    plan = mla_ops.plan_launch(t, h, k, 132)
+    _, main, _ = mla_ops._make_launches(q, cache, indices, 0.1, "auto", 512, None, None, None, None, None, out, lse,
+                                         plan)
+    assert main.options.get("maxnreg") == maxnreg
+
+
 @requires_interpreter
 @pytest.mark.parametrize("kv_format", fr.FORMATS)
 def test_triton_interpreter_block_n_64(kv_format):
