@@ -16,7 +16,10 @@ kernels a GPU other than sm_90 runs, with the float8 choice the launchers make f
 (``float8_conversions``: before sm_89 float8 tensors reach the kernels as bytes and convert by integer
 operations) and the sparse-MLA tiles planned for the shared memory a block may use there
 (``NVIDIA_SHARED_BYTES``: 166,912 bytes on an A100, 101,376 on sm_86); a launch that asks for more is
-marked ``> sm_N limit``. ``--arch gfxNNN``
+marked ``> sm_N limit``. On every NVIDIA target a build that spills with fewer than 255 registers and no
+``maxnreg`` of its own is marked ``spills under ptxas's 255-register limit``: ptxas, which does not see
+the dynamic shared memory, aimed it at more programs per SM than fit (the sparse-MLA decode's register
+bound, ``docs/sparse_mla.md``, "Registers"). ``--arch gfxNNN``
 compiles them with Triton's AMD backend for that GPU of a ROCm build of PyTorch (gfx90a for an MI200,
 gfx942 for an MI300, gfx950 for an MI350, gfx1100 and gfx1201 for Radeon GPUs), as the launchers plan
 them there (float8 tensors as bytes, every float8 conversion by integer operations; the inline PTX is
@@ -583,6 +586,9 @@ def main(argv=None) -> int:
         else:
             regs, spill = _ptxas_usage(compiled.asm["ptx"])
         flag = f"  > {'LDS' if amd else target} limit" if shared > limit else ""
+        if not amd and 0 <= regs < 255 and spill > 0 and getattr(compiled.metadata, "maxnreg", None) is None:
+            # ptxas, blind to the dynamic shared memory, aimed at more programs per SM than fit
+            flag += "  spills under ptxas's 255-register limit"
         if id(compiled) in RETRIED:
             flag += "  one stage (the launcher's retry)"
         print(f"{case:<22} {name:<36} {regs:>5} {spill:>8} {shared:>9}{flag}")
