@@ -116,6 +116,13 @@ def compute_capability(device: torch.device) -> tuple[int, int]:
     return cap
 
 
+# Columns of tensor memory (128 lanes of 32 bits each) a program may use on the GPUs that have it (sm_100
+# and sm_103). Triton 3.6 to 3.9 build a kernel whose accumulators need more without an error: its
+# metadata's ``tmem_size`` is larger and its code is one ``trap``, which ends the process's CUDA context
+# when launched (docs/sparse_mla.md, "Tensor memory").
+TENSOR_MEMORY_COLUMNS = 512
+
+
 def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
     """The compute capability of ``device`` where Triton's NVIDIA backend builds its kernels (a CUDA GPU
     of a CUDA build of PyTorch), else None: choices of NVIDIA-only compile options (``maxnreg``, the
@@ -453,12 +460,15 @@ class KernelLaunch:
         else:
             launch(g0, g1, g2, _raw_stream(self.device), *head, *tail, args)
 
-    def shared_bytes(self, *tensors) -> int:
-        """Shared memory per block of this launch's kernel as compiled for the current GPU, with
-        ``tensors`` as a call would pass them. Nothing is launched: a first launch with tensors of the
-        same specialisation finds the build in Triton's cache. For planners whose estimate of a kernel's
-        shared memory may fall short of what the compiler gives on some GPU."""
-        return self._jit_launch(self._with_tensors(self.template.copy(), tensors), compile_only=True).metadata.shared
+    def build_resources(self, *tensors) -> tuple[int, int]:
+        """``(shared memory bytes, tensor-memory columns)`` per block of this launch's kernel as compiled
+        for the current GPU, with ``tensors`` as a call would pass them; the columns are 0 where the build
+        uses no tensor memory (every GPU but sm_100 and sm_103, and every Triton without the metadata).
+        Nothing is launched: a first launch with tensors of the same specialisation finds the build in
+        Triton's cache. For planners whose estimate of a kernel's resources may fall short of what the
+        compiler gives on some GPU (:data:`TENSOR_MEMORY_COLUMNS`)."""
+        meta = self._jit_launch(self._with_tensors(self.template.copy(), tensors), compile_only=True).metadata
+        return meta.shared, getattr(meta, "tmem_size", 0) or 0
 
     def _jit_launch(self, args, compile_only=False):
         n = len(args) - len(self.meta) if getattr(self.kernel, "arg_names", None) is not None else len(args)
@@ -492,6 +502,6 @@ class KernelLaunch:
 
 
 __all__ = ["DEFAULT_SHARED_BYTES", "HOPPER_REG_ALLOC", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch",
-           "LaunchPlan", "MisalignedLaunch", "PlanCache", "cdiv", "compute_capability", "float8_conversions",
-           "hip", "hopper_ptx_options", "multiprocessor_count", "next_pow2", "nvidia_capability", "prev_pow2",
-           "scratch", "shared_memory_per_block", "wait_for_prior_grid"]
+           "LaunchPlan", "MisalignedLaunch", "PlanCache", "TENSOR_MEMORY_COLUMNS", "cdiv", "compute_capability",
+           "float8_conversions", "hip", "hopper_ptx_options", "multiprocessor_count", "next_pow2", "nvidia_capability",
+           "prev_pow2", "scratch", "shared_memory_per_block", "wait_for_prior_grid"]

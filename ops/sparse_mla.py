@@ -43,6 +43,7 @@ from ._launch import (
     KernelLaunch,
     LaunchPlan,
     PlanCache,
+    TENSOR_MEMORY_COLUMNS,
     cdiv,
     multiprocessor_count,
     next_pow2,
@@ -590,7 +591,8 @@ def _safe_max(m_max):
 
 def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num_splits: int | None = None, *,
                 dim: int = 576, head_dim_v: int = 512, shared_bytes: int = DEFAULT_SHARED_BYTES,
-                compiled_shared: Callable[[LaunchPlan], int] | None = None, trust_estimate: bool = True) -> LaunchPlan:
+                compiled_build: Callable[[LaunchPlan], tuple[int, int]] | None = None,
+                trust_estimate: bool = True) -> LaunchPlan:
     """Launch configuration of the portable kernel, from shapes only (no autotune: it would re-run
     inside CUDA-graph capture).
 
@@ -607,13 +609,16 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
       and ``block_h`` halve (down to 16) until the Q and K tiles fit the shared memory
       (:func:`shared_bytes_estimate`); the model shapes (D = 576 / 512) keep the configuration above.
       ``ValueError`` if even 16 x 16 tiles do not fit ``shared_bytes``.
-    - ``compiled_shared`` (the launcher passes it on a GPU): the shared memory of a plan's kernel as
-      compiled for the device. The estimate describes the sm_90 build; other GPUs' builds of the same
-      tiles may need more (an A100's of the DeepSeek-V4 format) or less. A plan whose build does not fit
-      ``shared_bytes`` takes one software-pipelining stage instead of two, then smaller tiles in the
-      order above, until one fits (``ValueError`` if none does). With ``trust_estimate`` (sm_90, where
-      the estimate lies above the build) tiles the estimate rejects are not compiled; otherwise every
-      candidate is compiled, since a build may also need less than the estimate.
+    - ``compiled_build`` (the launcher passes it on a GPU): the shared memory (bytes) and tensor memory
+      (columns) of a plan's kernel as compiled for the device. The estimate describes the sm_90 build;
+      other GPUs' builds of the same tiles may need more (an A100's of the DeepSeek-V4 format) or less. A
+      plan whose build does not fit ``shared_bytes`` takes one software-pipelining stage instead of two,
+      then smaller tiles in the order above, until one fits (``ValueError`` if none does). A build whose
+      accumulators need more than the :data:`TENSOR_MEMORY_COLUMNS` of sm_100 and sm_103 (which Triton
+      builds as a kernel that only traps: the DeepSeek-V4 format and the bf16 cache at 64 heads) takes
+      half the heads per program, ``block_h``, first. With ``trust_estimate`` (sm_90, where the estimate
+      lies above the build) tiles the estimate rejects are not compiled; otherwise every candidate is
+      compiled, since a build may also need less than the estimate.
     """
     pv, pt, has_tail = _pieces(dim, head_dim_v)
     block_h = min(64, max(16, next_pow2(num_heads)))
@@ -634,22 +639,30 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
     programs = max(num_tokens * head_blocks_for(block_h), 1)
     block_n = 64 if programs * splits_for(block_h, 64) >= num_sms else 32
     while True:
-        needed = shared_bytes_estimate(block_h, block_n, dim, head_dim_v)
-        if needed <= shared_bytes or (compiled_shared is not None and not trust_estimate):
+        needed, columns = shared_bytes_estimate(block_h, block_n, dim, head_dim_v), 0
+        if needed <= shared_bytes or (compiled_build is not None and not trust_estimate):
             plan = LaunchPlan(block_h=block_h, head_blocks=head_blocks_for(block_h), block_n=block_n,
                               num_splits=splits_for(block_h, block_n) if num_splits is None else num_splits,
                               num_warps=8, num_stages=2)
-            if compiled_shared is None:
+            if compiled_build is None:
                 return plan
             for stages in (2, 1):
                 plan = dataclasses.replace(plan, num_stages=stages)
-                needed = compiled_shared(plan)
+                needed, columns = compiled_build(plan)
+                if columns > TENSOR_MEMORY_COLUMNS:
+                    break  # the stages are not what fills it
                 if needed <= shared_bytes:
                     return plan
-        if block_n > 16:
+        if columns > TENSOR_MEMORY_COLUMNS and block_h > 16:
+            block_h //= 2  # the accumulators of fewer heads
+        elif block_n > 16:
             block_n //= 2
         elif block_h > 16:
             block_h //= 2
+        elif columns > TENSOR_MEMORY_COLUMNS:
+            raise ValueError(
+                f"sparse_mla_decode: D = {dim} with head_dim_v = {head_dim_v} needs {columns} columns of tensor "
+                f"memory per block even with 16 x 16 tiles; this GPU has {TENSOR_MEMORY_COLUMNS}")
         else:
             raise ValueError(
                 f"sparse_mla_decode: D = {dim} with head_dim_v = {head_dim_v} needs {needed} bytes of shared "
@@ -658,7 +671,7 @@ def plan_launch(num_tokens: int, num_heads: int, k_total: int, num_sms: int, num
 
 def fit_by_compiling(device: torch.device) -> bool:
     """Whether the launcher checks a plan's tiles against the kernel compiled for ``device``
-    (``plan_launch``'s ``compiled_shared``): on every GPU, not under the interpreter, which compiles
+    (``plan_launch``'s ``compiled_build``): on every GPU, not under the interpreter, which compiles
     nothing. ``scripts/compile_sm90.py`` turns it on for the GPU it compiles for."""
     return device.type == "cuda"
 
@@ -869,17 +882,17 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
         if use_hopper:
             plan = hopper.plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device), num_splits)
         else:
-            def compiled_shared(p: LaunchPlan) -> int:  # the build of plan p for this GPU, not launched
+            def compiled_build(p: LaunchPlan) -> tuple[int, int]:  # the build of plan p for this GPU, not launched
                 _, launch, _ = _make_launches(q, kv_cache, indices, softmax_scale, kv_format, head_dim_v, topk_length,
                                               attn_sink, extra_kv_cache, extra_indices, extra_topk_length, out, lse, p)
                 ws = lse if p.num_splits == 1 else torch.empty(4, dtype=torch.float32, device=q.device)
-                return launch.shared_bytes(q, kv_cache, indices, *_stand_ins(
+                return launch.build_resources(q, kv_cache, indices, *_stand_ins(
                     kv_cache, indices, topk_length, attn_sink, extra_kv_cache, extra_indices, extra_topk_length, lse),
                     out, lse, ws)
 
             plan = plan_launch(num_tokens, q.shape[1], k_total, multiprocessor_count(q.device), num_splits,
                                dim=q.shape[2], head_dim_v=head_dim_v, shared_bytes=shared_memory_per_block(q.device),
-                               compiled_shared=compiled_shared if fit_by_compiling(q.device) and not (
+                               compiled_build=compiled_build if fit_by_compiling(q.device) and not (
                                    config and {"block_h", "block_n", "num_stages"} & set(config)) else None,
                                trust_estimate=estimate_bounds_build(q.device))
         plan = plan.with_overrides(config)

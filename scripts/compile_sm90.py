@@ -16,7 +16,9 @@ kernels a GPU other than sm_90 runs, with the float8 choice the launchers make f
 (``float8_conversions``: before sm_89 float8 tensors reach the kernels as bytes and convert by integer
 operations) and the sparse-MLA tiles planned for the shared memory a block may use there
 (``NVIDIA_SHARED_BYTES``: 166,912 bytes on an A100, 101,376 on sm_86); a launch that asks for more is
-marked ``> sm_N limit``. On every NVIDIA target a build that spills with fewer than 255 registers and no
+marked ``> sm_N limit``, and on sm_100 and sm_103 a build whose accumulators need more tensor memory
+than the 512 columns there, which Triton builds as a kernel that only traps, ``columns > tensor memory
+limit (a trap)`` (the planner fits its tiles to both). On every NVIDIA target a build that spills with fewer than 255 registers and no
 ``maxnreg`` of its own is marked ``spills under ptxas's 255-register limit``: ptxas, which does not see
 the dynamic shared memory, aimed it at more programs per SM than fit (the sparse-MLA decode's register
 bound, ``docs/sparse_mla.md``, "Registers"). ``--arch gfxNNN``
@@ -586,6 +588,9 @@ def main(argv=None) -> int:
         else:
             regs, spill = _ptxas_usage(compiled.asm["ptx"])
         flag = f"  > {'LDS' if amd else target} limit" if shared > limit else ""
+        columns = getattr(compiled.metadata, "tmem_size", 0) or 0
+        if columns > _launch.TENSOR_MEMORY_COLUMNS:  # Triton builds it as a kernel that only traps
+            flag += f"  {columns} columns > tensor memory limit (a trap)"
         if not amd and 0 <= regs < 255 and spill > 0 and getattr(compiled.metadata, "maxnreg", None) is None:
             # ptxas, blind to the dynamic shared memory, aimed at more programs per SM than fit
             flag += "  spills under ptxas's 255-register limit"

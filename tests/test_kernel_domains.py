@@ -358,6 +358,21 @@ def test_portable_sparse_mla_model_shapes_fit_an_a100():
     assert all(int(spill) == 0 or int(regs) == 255 for regs, spill, _, _ in rows), result.stdout[-2000:]
 
 
+def test_portable_sparse_mla_model_shapes_fit_sm100_tensor_memory():
+    """Without a GPU: the portable sparse-MLA decode at the DeepSeek model shapes, planned and built for
+    sm_100 (a B200), needs no more than the 512 columns of tensor memory a program may use there. At 64
+    heads per program the DeepSeek-V4 format's accumulators need 544, and Triton (3.6 to 3.9) builds
+    such a kernel as a single ``trap`` instruction without an error: until the planner fitted its tiles
+    to the build's tensor memory, those calls would have ended the process's CUDA context on a B200."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    result = run_offline_compile("compile_sm90.py", "--arch", "100", "--cases", "sparse_mla_model")
+    assert result.returncode == 0, result.stdout[-4000:] + result.stderr[-4000:]
+    rows = re.findall(r"^sparse_mla_model\s+_sparse_mla_decode_kernel\s+(-?\d+)\s+(-?\d+)\s+(\d+)(.*)$", result.stdout,
+                      re.M)
+    assert len(rows) == 6, result.stdout[-2000:]
+    assert all("tensor memory" not in rest and "sm_100 limit" not in rest for *_, rest in rows), result.stdout[-2000:]
+
+
 @pytest.mark.parametrize("arch", ["80", "86"])
 def test_portable_sparse_gqa_model_shapes_do_not_spill_before_sm89(arch):
     """Without a GPU: the portable sparse-GQA decode at the benchmark's MiniMax-M3 shapes (float8 and

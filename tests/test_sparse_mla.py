@@ -582,18 +582,18 @@ def test_plan_fits_shared_memory():
 
 
 def test_plan_fits_compiled_shared_memory():
-    """With the compiled size of each plan's kernel (``compiled_shared``, what the launcher passes on a
+    """With the compiled size of each plan's kernel (``compiled_build``, what the launcher passes on a
     GPU), a plan whose build does not fit the GPU takes one stage, then smaller tiles in the planner's
     order (``block_n`` first), until one fits; a build that fits is kept as the estimate chose it, and
     none fitting is a ValueError naming the compiled size."""
     def planned(build, limit, **kw):
         seen = []
 
-        def compiled_shared(plan):
+        def compiled_build(plan):
             seen.append((plan.block_h, plan.block_n, plan.num_stages))
-            return build(plan)
+            return build(plan), 0
         plan = mla_ops.plan_launch(200, 64, 2048, 132, dim=512, head_dim_v=512, shared_bytes=limit,
-                                   compiled_shared=compiled_shared, **kw)
+                                   compiled_build=compiled_build, **kw)
         return plan, seen
 
     # an sm_80 build of the DeepSeek-V4 format: 180,736 / 180,224 bytes at 64 x 64, 123,136 at 64 x 32
@@ -621,6 +621,26 @@ def test_plan_fits_compiled_shared_memory():
     plan, seen = planned(lambda p: 50_000 if p.block_h == 16 else 90_000, 60_000, trust_estimate=False)
     assert (plan.block_h, plan.block_n, plan.num_stages) == (16, 16, 2)
     assert seen[::2] == [(64, 64, 2), (64, 32, 2), (64, 16, 2), (32, 16, 2), (16, 16, 2)], seen
+
+
+def test_plan_fits_compiled_tensor_memory():
+    """A build whose accumulators need more tensor memory than sm_100 and sm_103 have (Triton builds it
+    as a kernel that only traps: the DeepSeek-V4 format at 64 heads, 544 of 512 columns) takes half the
+    heads per program before anything else, keeping its 64-entry blocks; at 16 x 16 tiles it is a
+    ValueError naming the columns."""
+    limit = mla_ops.TENSOR_MEMORY_COLUMNS
+    seen = []
+
+    def compiled_build(plan):
+        seen.append((plan.block_h, plan.block_n, plan.num_stages))
+        return 147_968, (limit + 32 if plan.block_h == 64 else 0)
+    plan = mla_ops.plan_launch(132, 64, 2048, 148, dim=512, head_dim_v=512, shared_bytes=232_448,
+                               compiled_build=compiled_build, trust_estimate=False)
+    assert seen == [(64, 64, 2), (32, 64, 2)], seen  # the stages are not retried: they do not hold it
+    assert (plan.block_h, plan.block_n, plan.num_stages, plan.head_blocks) == (32, 64, 2, 2)
+    with pytest.raises(ValueError, match=rf"needs {limit + 1} columns of tensor memory per block even with 16 x 16"):
+        mla_ops.plan_launch(132, 64, 2048, 148, dim=512, head_dim_v=512, shared_bytes=232_448,
+                            compiled_build=lambda p: (1_000, limit + 1), trust_estimate=False)
 
 
 @pytest.mark.parametrize("capability, maxnreg", [((8, 0), 255), ((9, 0), 255), ((8, 6), None), ((8, 9), None),
@@ -1030,7 +1050,7 @@ def test_cuda_fp8_584_large_tile_scales():
 def test_cuda_portable_plan_fits_compiled_shared_memory(kv_format, monkeypatch):
     """On the GPU the portable launcher fits its tiles to the kernel compiled for it: with the estimate
     taken away and a shared-memory limit below what the 64 x 64 build needs, the plan is made by
-    compiling (``KernelLaunch.shared_bytes``), its build fits the limit and its output is right."""
+    compiling (``KernelLaunch.build_resources``), its build fits the limit and its output is right."""
     limit = 60_000
     monkeypatch.setattr(mla_ops, "shared_bytes_estimate", lambda *args: 0)
     monkeypatch.setattr(mla_ops, "shared_memory_per_block", lambda device: limit)
@@ -1039,15 +1059,41 @@ def test_cuda_portable_plan_fits_compiled_shared_memory(kv_format, monkeypatch):
     kwargs = make_inputs(spec)
     dev = _to_device(kwargs, "cuda")
     sizes = []
-    shared_bytes = mla_ops.KernelLaunch.shared_bytes
+    build_resources = mla_ops.KernelLaunch.build_resources
 
     def record(self, *tensors):
-        sizes.append(shared_bytes(self, *tensors))
-        return sizes[-1]
-    monkeypatch.setattr(mla_ops.KernelLaunch, "shared_bytes", record)
+        shared, columns = build_resources(self, *tensors)
+        sizes.append(shared)
+        return shared, columns
+    monkeypatch.setattr(mla_ops.KernelLaunch, "build_resources", record)
     out, lse = _outputs_like(kwargs, "cuda")
     mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, path="portable")
     assert len(sizes) >= 2 and sizes[0] > limit >= sizes[-1], sizes
+    assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
+
+
+@requires_cuda
+def test_cuda_portable_plan_halves_heads_past_tensor_memory(monkeypatch):
+    """On the GPU, a build reported to need more tensor memory than sm_100 and sm_103 have (every build
+    of 64 heads per program here, as for the DeepSeek-V4 format on those GPUs) is not launched: the
+    launcher's fit plans 32 heads per program, whose output is right."""
+    monkeypatch.setattr(mla_ops, "estimate_bounds_build", lambda device: False)
+    monkeypatch.setattr(mla_ops, "_PLANS", type(mla_ops._PLANS)())
+    spec = Spec(kv_format="fp8_584", T=2, H=64, K=96, dtype=torch.bfloat16, lengths=True, sink="finite")
+    kwargs = make_inputs(spec)
+    dev = _to_device(kwargs, "cuda")
+    build_resources = mla_ops.KernelLaunch.build_resources
+    heads = []
+
+    def report(self, *tensors):
+        shared, columns = build_resources(self, *tensors)
+        heads.append(self.meta["BLOCK_H"])
+        return shared, columns + (mla_ops.TENSOR_MEMORY_COLUMNS + 32 if self.meta["BLOCK_H"] == 64 else 0)
+    monkeypatch.setattr(mla_ops.KernelLaunch, "build_resources", report)
+    out, lse = _outputs_like(kwargs, "cuda")
+    mla_ops.sparse_mla_decode_triton(*_positional(dev), out=out, lse=lse, path="portable")
+    plan = next(iter(mla_ops._PLANS.values()))[1].meta["BLOCK_H"]
+    assert heads[0] == 64 and heads[-1] == 32 and plan == 32, (heads, plan)
     assert_matches(out, lse, *reference(**kwargs), tensor_cores=True)
 
 
