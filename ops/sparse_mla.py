@@ -898,6 +898,11 @@ def sparse_mla_decode_triton(q, kv_cache, indices, softmax_scale, kv_format="aut
         plan = plan.with_overrides(config)
         if plan.head_blocks != cdiv(q.shape[1], plan.block_h):  # a block_h override
             plan = dataclasses.replace(plan, head_blocks=cdiv(q.shape[1], plan.block_h))
+        if not use_hopper and config and fit_by_compiling(q.device):
+            columns = compiled_build(plan)[1]  # tiles taken as given: refuse a build that only traps
+            if columns > TENSOR_MEMORY_COLUMNS:
+                raise ValueError(f"config: {plan.block_h} x {plan.block_n} tiles need {columns} columns of tensor "
+                                 f"memory; this GPU has {TENSOR_MEMORY_COLUMNS}")
         if use_hopper:
             entry = _make_hopper_launches(q, kv_cache, indices, softmax_scale, kv_format, topk_length, attn_sink,
                                           extra_kv_cache, extra_indices, extra_topk_length, out, lse, plan)

@@ -18,7 +18,8 @@ operations) and the sparse-MLA tiles planned for the shared memory a block may u
 (``NVIDIA_SHARED_BYTES``: 166,912 bytes on an A100, 101,376 on sm_86); a launch that asks for more is
 marked ``> sm_N limit``, and on sm_100 and sm_103 a build whose accumulators need more tensor memory
 than the 512 columns there, which Triton builds as a kernel that only traps, ``columns > tensor memory
-limit (a trap)`` (the planner fits its tiles to both). On every NVIDIA target a build that spills with fewer than 255 registers and no
+limit (a trap)`` (the planner fits its tiles to both; tiles an explicit ``config`` sets are refused
+there by the launcher with a ValueError, listed as ``refused by the launcher``). On every NVIDIA target a build that spills with fewer than 255 registers and no
 ``maxnreg`` of its own is marked ``spills under ptxas's 255-register limit``: ptxas, which does not see
 the dynamic shared memory, aimed it at more programs per SM than fit (the sparse-MLA decode's register
 bound, ``docs/sparse_mla.md``, "Registers"). ``--arch gfxNNN``
@@ -256,9 +257,14 @@ def _mla(kv_format, t=2, h=16, k=40, k2=0, dim=576, dv=512, dtype=F16, num_split
                   extra_topk_length=torch.zeros(t, dtype=I32) if lengths else None)
     out = torch.empty(t, h, dv, dtype=dtype) if contiguous else torch.empty(dv, h, t, dtype=dtype).permute(2, 1, 0)
     lse = torch.empty(t, h) if contiguous else torch.empty(h, t).t()
-    mla_ops.sparse_mla_decode_triton(q, cache, idx, 0.1, kv_format, dv, kw["topk_length"], kw["attn_sink"],
-                                     kw.get("extra_kv_cache"), kw.get("extra_indices"), kw.get("extra_topk_length"),
-                                     out=out, lse=lse, num_splits=num_splits, config=config)
+    try:
+        mla_ops.sparse_mla_decode_triton(q, cache, idx, 0.1, kv_format, dv, kw["topk_length"], kw["attn_sink"],
+                                         kw.get("extra_kv_cache"), kw.get("extra_indices"), kw.get("extra_topk_length"),
+                                         out=out, lse=lse, num_splits=num_splits, config=config)
+    except ValueError as exc:  # tiles the target cannot build (an explicit config), as the launcher says
+        if not str(exc).startswith("config:"):
+            raise
+        REFUSED.append((_CASE[0], f"{kv_format}, H = {h}, T = {t}, config {config}: {exc}"))
 
 
 def case_sparse_mla():

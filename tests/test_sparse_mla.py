@@ -643,6 +643,23 @@ def test_plan_fits_compiled_tensor_memory():
                             compiled_build=lambda p: (1_000, limit + 1), trust_estimate=False)
 
 
+@requires_interpreter
+def test_config_past_tensor_memory_is_refused(monkeypatch):
+    """Tiles a ``config`` sets are taken as given, but where their build needs more tensor memory than
+    the GPU has (a kernel that would only trap, ``TENSOR_MEMORY_COLUMNS``) the launcher raises a
+    ValueError before launching anything."""
+    monkeypatch.setattr(mla_ops, "fit_by_compiling", lambda device: True)
+    monkeypatch.setattr(mla_ops, "_PLANS", type(mla_ops._PLANS)())
+    monkeypatch.setattr(mla_ops.KernelLaunch, "build_resources",
+                        lambda self, *tensors: (1_000, 544 if self.meta["BLOCK_H"] == 64 else 0))
+    kwargs = make_inputs(Spec(kv_format="fp8_584", T=1, H=64, K=16))
+    out, lse = _outputs_like(kwargs)
+    with pytest.raises(ValueError, match=r"config: 64 x 32 tiles need 544 columns of tensor memory; this GPU has 512"):
+        mla_ops.sparse_mla_decode_triton(*_positional(kwargs), out=out, lse=lse, path="portable",
+                                         config=dict(block_n=32))
+    assert not mla_ops._PLANS
+
+
 @pytest.mark.parametrize("capability, maxnreg", [((8, 0), 255), ((9, 0), 255), ((8, 6), None), ((8, 9), None),
                                                    ((12, 0), None), (None, None)])
 def test_decode_register_bound_by_capability(capability, maxnreg, monkeypatch):
