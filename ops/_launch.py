@@ -123,6 +123,12 @@ def compute_capability(device: torch.device) -> tuple[int, int]:
 TENSOR_MEMORY_COLUMNS = 512
 
 
+def tensor_memory_columns(metadata) -> int:
+    """The tensor-memory columns a compiled kernel's metadata gives: 0 where it uses none, and for a
+    Triton whose metadata has no ``tmem_size``."""
+    return getattr(metadata, "tmem_size", 0) or 0
+
+
 def nvidia_capability(device: torch.device) -> tuple[int, int] | None:
     """The compute capability of ``device`` where Triton's NVIDIA backend builds its kernels (a CUDA GPU
     of a CUDA build of PyTorch), else None: choices of NVIDIA-only compile options (``maxnreg``, the
@@ -468,7 +474,7 @@ class KernelLaunch:
         Triton's cache. For planners whose estimate of a kernel's resources may fall short of what the
         compiler gives on some GPU (:data:`TENSOR_MEMORY_COLUMNS`)."""
         meta = self._jit_launch(self._with_tensors(self.template.copy(), tensors), compile_only=True).metadata
-        return meta.shared, getattr(meta, "tmem_size", 0) or 0
+        return meta.shared, tensor_memory_columns(meta)
 
     def _jit_launch(self, args, compile_only=False):
         n = len(args) - len(self.meta) if getattr(self.kernel, "arg_names", None) is not None else len(args)
@@ -504,4 +510,4 @@ class KernelLaunch:
 __all__ = ["DEFAULT_SHARED_BYTES", "HOPPER_REG_ALLOC", "LOG2E", "LOG2E_CONST", "OFF_CUDA_SMS", "KernelLaunch",
            "LaunchPlan", "MisalignedLaunch", "PlanCache", "TENSOR_MEMORY_COLUMNS", "cdiv", "compute_capability",
            "float8_conversions", "hip", "hopper_ptx_options", "multiprocessor_count", "next_pow2", "nvidia_capability",
-           "prev_pow2", "scratch", "shared_memory_per_block", "wait_for_prior_grid"]
+           "prev_pow2", "scratch", "shared_memory_per_block", "tensor_memory_columns", "wait_for_prior_grid"]

@@ -19,10 +19,11 @@ operations) and the sparse-MLA tiles planned for the shared memory a block may u
 marked ``> sm_N limit``, and on sm_100 and sm_103 a build whose accumulators need more tensor memory
 than the 512 columns there, which Triton builds as a kernel that only traps, ``columns > tensor memory
 limit (a trap)`` (the planner fits its tiles to both; tiles an explicit ``config`` sets are refused
-there by the launcher with a ValueError, listed as ``refused by the launcher``). On every NVIDIA target a build that spills with fewer than 255 registers and no
-``maxnreg`` of its own is marked ``spills under ptxas's 255-register limit``: ptxas, which does not see
-the dynamic shared memory, aimed it at more programs per SM than fit (the sparse-MLA decode's register
-bound, ``docs/sparse_mla.md``, "Registers"). ``--arch gfxNNN``
+there by the launcher with a ValueError, listed as ``refused by the launcher``). On every NVIDIA target
+a build that spills with fewer than 255 registers and no ``maxnreg`` of its own is marked ``spills under
+ptxas's 255-register limit``: ptxas, which does not see the dynamic shared memory, aimed it at more
+programs per SM than fit (the sparse-MLA decode's register bound, ``docs/sparse_mla.md``, "Registers").
+``--arch gfxNNN``
 compiles them with Triton's AMD backend for that GPU of a ROCm build of PyTorch (gfx90a for an MI200,
 gfx942 for an MI300, gfx950 for an MI350, gfx1100 and gfx1201 for Radeon GPUs), as the launchers plan
 them there (float8 tensors as bytes, every float8 conversion by integer operations; the inline PTX is
@@ -594,7 +595,7 @@ def main(argv=None) -> int:
         else:
             regs, spill = _ptxas_usage(compiled.asm["ptx"])
         flag = f"  > {'LDS' if amd else target} limit" if shared > limit else ""
-        columns = getattr(compiled.metadata, "tmem_size", 0) or 0
+        columns = _launch.tensor_memory_columns(compiled.metadata)
         if columns > _launch.TENSOR_MEMORY_COLUMNS:  # Triton builds it as a kernel that only traps
             flag += f"  {columns} columns > tensor memory limit (a trap)"
         if not amd and 0 <= regs < 255 and spill > 0 and getattr(compiled.metadata, "maxnreg", None) is None:
