@@ -306,6 +306,88 @@ def test_minimax_m3_step_compiles_without_recompiles():
 
 
 # =====================================================================================================
+# torch.compile: keeping a step's metadata past the next step (docs/integration.md, "Keeping a
+# builder's metadata")
+# =====================================================================================================
+
+
+class _Metadata(torch.nn.Module):
+    """A builder's call as a compiled function sees it. ``how``: ``"views"`` returns the metadata as the
+    builder gives it (views of its buffers); ``"copy"`` also copies every field into the caller's buffers
+    passed as the last argument; ``"clone"`` returns clones made inside the compiled function."""
+
+    def __init__(self, builder, how):
+        super().__init__()
+        self.builder, self.how = builder, how
+
+    def forward(self, *args):
+        if self.how == "copy":
+            *args, into = args
+        m = self.builder(*args)
+        if self.how == "copy":
+            for dst, t in zip(into, m):
+                dst[: t.shape[0]].copy_(t)
+        return tuple(t.clone() for t in m) if self.how == "clone" else tuple(m)
+
+
+def _builders(model):
+    """Two builders of the same capacity (one compiled, one eager) and two batches of the same size."""
+    if model == "deepseek_v4":
+        make = functools.partial(tsm.DeepSeekV4MetadataBuilder, max_num_tokens=8, **V4)
+        a, b = (make_v4_batch(6, seed=s, padded=1).metadata_args() for s in (11, 12))
+    else:
+        make = functools.partial(tsm.MiniMaxM3MetadataBuilder, max_num_reqs=8, max_model_len=M3["max_model_len"],
+                                 page_size=M3["page"], decode_query_len=M3["q_len"])
+        a, b = (make_m3_batch(6, seed=s, padded=1).args()[:2] for s in (11, 12))
+    return make(), make(), a, b
+
+
+def _kept_after_next_step(model, how):
+    """Run a compiled builder on batch ``a``, keep its metadata the ``how`` way, run it on batch ``b``;
+    return what was kept, the eager metadata of ``a`` and ``b``, and the builder's buffers."""
+    torch._dynamo.reset()
+    builder, twin, a, b = _builders(model)
+    compiled = torch.compile(_Metadata(builder, how), fullgraph=True, dynamic=True)
+    want_a = tuple(t.clone() for t in twin(*a))
+    into = lambda: tuple(torch.full((64, *t.shape[1:]), -7, dtype=t.dtype) for t in want_a)  # noqa: E731
+    extra = lambda: (into(),) if how == "copy" else ()  # noqa: E731
+    into_a = extra()
+    got_a = compiled(*a, *into_a)
+    outside = tuple(t.clone() for t in got_a)  # copies made outside the compiled function
+    compiled(*b, *extra())
+    want_b = tuple(twin(*b))
+    return got_a, outside, into_a, want_a, want_b, {t.untyped_storage().data_ptr() for t in builder.buffers()}
+
+
+@pytest.mark.parametrize("model", ["deepseek_v4", "minimax_m3"])
+def test_compiled_metadata_kept_by_copies_outside_or_into_buffers(model):
+    """The two ways docs/integration.md gives to keep a step's metadata: copies made outside the compiled
+    function, and copies into the caller's buffers inside it, keep step a's metadata after step b; the
+    returned views of the builder's buffers hold step b's (the builder's contract)."""
+    got_a, outside, into_a, want_a, want_b, owned = _kept_after_next_step(model, "copy")
+    overwritten = 0
+    for got, kept, dst, wa, wb in zip(got_a, outside, into_a[0], want_a, want_b):
+        assert torch.equal(kept, wa)
+        assert torch.equal(dst[: wa.shape[0]], wa) and (dst[wa.shape[0]:] == -7).all()
+        if got.untyped_storage().data_ptr() in owned:  # a view of a builder buffer: now step b's metadata
+            assert torch.equal(got, wb)
+            overwritten += not torch.equal(wa, wb)
+    assert overwritten >= 2, "the two batches should differ in the builder's own fields"
+
+
+@pytest.mark.xfail(strict=False, reason="pytorch/pytorch#195451: inductor (torch 2.11-2.15) removes a clone of a "
+                   "buffer slice written in the same graph and returns the buffer itself")
+@pytest.mark.parametrize("model", ["deepseek_v4", "minimax_m3"])
+def test_compiled_metadata_cloned_inside(model):
+    """Clones made inside the compiled function would keep step a's metadata in eager mode; with the
+    inductor issue above they are the builder's buffers and hold step b's. XPASS here means a torch
+    release fixed it (then update docs/integration.md)."""
+    got_a, _, _, want_a, _, _ = _kept_after_next_step(model, "clone")
+    for got, wa in zip(got_a, want_a):
+        assert torch.equal(got, wa)
+
+
+# =====================================================================================================
 # GPU: reduce-overhead without skipped CUDA graphs; one captured step replayed at several batch
 # compositions (padded rows included)
 # =====================================================================================================

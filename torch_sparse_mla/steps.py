@@ -129,7 +129,9 @@ class DeepSeekV4MetadataBuilder(torch.nn.Module):
     def forward(self, query_start_loc: torch.Tensor, seq_lens: torch.Tensor, positions: torch.Tensor,
                 token_to_req: torch.Tensor, slot_mapping: torch.Tensor, swa_block_table: torch.Tensor,
                 c4_block_table: torch.Tensor, c128_block_table: torch.Tensor) -> DeepSeekV4Metadata:
-        """Fill the step's buffers; returns views of them.
+        """Fill the step's buffers; returns views of them, which the next call overwrites (to keep them,
+        copy them outside a compiled function or into buffers of your own: docs/integration.md,
+        "Keeping a builder's metadata").
 
         Args:
             query_start_loc: int32 ``[R + 1]``, cumulative query starts (decode tokens of each request;
@@ -244,7 +246,9 @@ class MiniMaxM3MetadataBuilder(torch.nn.Module):
             self.register_buffer(name, value, persistent=False)
 
     def forward(self, seq_lens: torch.Tensor, block_table: torch.Tensor) -> MiniMaxM3Metadata:
-        """Fill the step's buffers; returns views of them.
+        """Fill the step's buffers; returns views of them, which the next call overwrites (to keep them,
+        copy them outside a compiled function or into buffers of your own: docs/integration.md,
+        "Keeping a builder's metadata").
 
         Args:
             seq_lens: int32 ``[B]`` (``B <= max_num_reqs``), context plus this step's ``q`` tokens;
