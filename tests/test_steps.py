@@ -298,6 +298,35 @@ def test_deepseek_v4_step_compiles_without_recompiles():
     assert torch.equal(step.swa, twin.swa) and torch.equal(step.c4, twin.c4) and torch.equal(step.c128, twin.c128)
 
 
+class V4TwoC4AStep(V4Step):
+    """Two C4A layers, as in the model: each maps its own indexer output into the builder's one
+    ``c4a_idx`` buffer and attends right after, so the compiled graph must keep the first layer's read of
+    that buffer before the second layer's write (the eager order)."""
+
+    def forward(self, query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
+                c4_block_table, c128_block_table, q, kv, compressed_kv, local_topk):
+        m = self.builder(query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
+                         c4_block_table, c128_block_table)
+        tsm.kv_cache_insert(kv, m.slot_mapping, self.swa, kv_format="fp8_584")
+        tsm.kv_cache_insert(compressed_kv, m.c4_slot_mapping, self.c4, kv_format="fp8_584")
+        common = dict(softmax_scale=DIM ** -0.5, kv_format="fp8_584", topk_length=m.swa_lens, attn_sink=self.sink)
+        outs = []
+        for layer_topk in (local_topk, local_topk.flip(1) // 2):  # the second layer's indexer picks others
+            idx, lens = self.builder.c4a_indices(m, layer_topk)
+            outs.append(tsm.sparse_mla_decode(q, self.swa, m.swa_indices, extra_kv_cache=self.c4, extra_indices=idx,
+                                              extra_topk_length=lens, **common)[0])
+        return tuple(outs)
+
+
+def test_deepseek_v4_c4a_layers_share_the_index_buffer_in_order():
+    step, twin = V4TwoC4AStep(max_num_tokens=8), V4TwoC4AStep(max_num_tokens=8)
+    batches = [make_v4_batch(n, seed=n, padded=p).args() for n, p in ((3, 0), (6, 2))]
+    for args in batches:  # the two layers' outputs differ, so a swapped order would show
+        first, second = V4TwoC4AStep(max_num_tokens=8)(*args)
+        assert not torch.equal(first, second)
+    assert_no_recompiles(step, batches, _check_same(twin))
+
+
 def test_minimax_m3_step_compiles_without_recompiles():
     step, twin = M3Step(max_num_reqs=8), M3Step(max_num_reqs=8)
     batches = [make_m3_batch(n, seed=n, padded=p).args() for n, p in ((3, 0), (5, 1), (6, 2))]
