@@ -252,6 +252,24 @@ def test_minimax_m3_builder_matches_operators():
 # =====================================================================================================
 
 
+@pytest.mark.parametrize("model", ["deepseek_v4", "minimax_m3"])
+def test_compiled_step_refuses_a_batch_past_capacity(model):
+    """A compiled step (symbolic batch size) given more rows than its builder holds raises an error that
+    carries the builder's message, rather than writing past the buffers: the capacity check guards the
+    graph, so the larger batch is traced again and that trace raises."""
+    torch._dynamo.reset()
+    if model == "deepseek_v4":
+        step, make, fits, too_many = V4Step(max_num_tokens=4), make_v4_batch, 3, 6
+        message = r"positions: expected at most 4 \(max_num_tokens"
+    else:
+        step, make, fits, too_many = M3Step(max_num_reqs=4), make_m3_batch, 3, 6
+        message = r"seq_lens: expected at most 4 \(max_num_reqs"
+    compiled = torch.compile(step, fullgraph=True, dynamic=True)
+    compiled(*make(fits, seed=1).args())
+    with pytest.raises(Exception, match=message):
+        compiled(*make(too_many, seed=2).args())
+
+
 def test_capacity_errors():
     builder = tsm.DeepSeekV4MetadataBuilder(max_num_tokens=4, **V4)
     b = make_v4_batch(5, seed=0)

@@ -39,9 +39,11 @@ I32, I64 = torch.int32, torch.int64
 
 
 def _check_capacity(name: str, size, capacity: int, what: str) -> None:
-    """``size <= capacity`` or ``ValueError``. Under ``torch.compile`` a symbolic size becomes a runtime
-    assertion (no guard, no recompilation) whose error is the compiler's generic one: every supported
-    torch traces ``torch._check(predicate)``, not an exception type or a message."""
+    """``size <= capacity`` or ``ValueError``. Dynamo sees a symbolic size as an ``int``: the comparison
+    guards the compiled graph on ``size <= capacity``, so a larger batch recompiles and that trace raises
+    this error (with ``fullgraph=True`` dynamo reports it as an "Observed exception" whose text holds
+    this message). A ``torch.SymInt`` seen outside dynamo (``torch.export``'s non-strict tracing) becomes
+    a runtime assertion, ``torch._check``, whose error is the compiler's generic one."""
     if not isinstance(size, int) and torch.compiler.is_compiling():
         torch._check(size <= capacity)
     elif size > capacity:
