@@ -15,6 +15,11 @@ times in µs, the smallest and the median of the repetitions:
 - the step compiled again with its inputs marked as static addresses
   (``torch._dynamo.mark_static_address``, as an engine's persistent input buffers allow), whose
   ``reduce-overhead`` call then copies no input into the graph's own buffers.
+- without CUDA graphs (why a compiled step without graphs is slower than the eager one): the eager
+  step with every public call sent through the dispatcher (``_library.DIRECT_CALLS = False``, the
+  path compiled code always takes), and the step compiled with ``fullgraph=True`` in the default
+  mode with inductor's Python wrapper and with its C++ wrapper (``cpp_wrapper=True``), back to back
+  and host time alone.
 
 Each round builds fresh steps and compiles them again (``torch._dynamo.reset()`` in between). Not a test.
 """
@@ -91,6 +96,23 @@ def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) 
     torch.cuda.synchronize()
     rows["reduce-overhead, static inputs, back to back"] = _back_to_back(lambda: static(*args))
     rows["reduce-overhead, static inputs, host time alone"] = _host_alone(lambda: static(*args))
+    torch._dynamo.reset()
+    from torch_sparse_mla import _library
+
+    _library.DIRECT_CALLS = False
+    try:
+        rows["eager through the dispatcher, back to back"] = _back_to_back(lambda: model(*args), iters=20)
+    finally:
+        _library.DIRECT_CALLS = True
+    for label, cpp in (("compiled, no graph", False), ("compiled, no graph, C++ wrapper", True)):
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(cpp_wrapper=cpp):
+            plain = torch.compile(model, fullgraph=True, dynamic=False)
+            for _ in range(3):
+                plain(*args)
+            torch.cuda.synchronize()
+            rows[f"{label}, back to back"] = _back_to_back(lambda: plain(*args), iters=20)
+            rows[f"{label}, host time alone"] = _host_alone(lambda: plain(*args))
     for what, times in rows.items():
         print(f"{name:14s} {what:48s} min {min(times):8.1f}  median {statistics.median(times):8.1f}", flush=True)
 
