@@ -119,14 +119,19 @@ class V4Step(torch.nn.Module):
         self.register_buffer("c128", _v4_cache(V4["compressed_page_size"] // 128, 3, device))
         self.register_buffer("sink", torch.linspace(-2, 2, HEADS, device=device))
 
-    def forward(self, query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
-                c4_block_table, c128_block_table, q, kv, compressed_kv, local_topk):
-        m = self.builder(query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
-                         c4_block_table, c128_block_table)
+    def metadata_and_writes(self, metadata_args, kv, compressed_kv):
+        """The builder, then this step's latent into the window cache and its compressed entry into both
+        compressed caches; returns the metadata and the arguments every layer's attention shares."""
+        m = self.builder(*metadata_args)
         tsm.kv_cache_insert(kv, m.slot_mapping, self.swa, kv_format="fp8_584")
         tsm.kv_cache_insert(compressed_kv, m.c4_slot_mapping, self.c4, kv_format="fp8_584")
         tsm.kv_cache_insert(compressed_kv, m.c128_slot_mapping, self.c128, kv_format="fp8_584")
-        common = dict(softmax_scale=DIM ** -0.5, kv_format="fp8_584", topk_length=m.swa_lens, attn_sink=self.sink)
+        return m, dict(softmax_scale=DIM ** -0.5, kv_format="fp8_584", topk_length=m.swa_lens, attn_sink=self.sink)
+
+    def forward(self, query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
+                c4_block_table, c128_block_table, q, kv, compressed_kv, local_topk):
+        m, common = self.metadata_and_writes((query_start_loc, seq_lens, positions, token_to_req, slot_mapping,
+                                              swa_block_table, c4_block_table, c128_block_table), kv, compressed_kv)
         out_swa, _ = tsm.sparse_mla_decode(q, self.swa, m.swa_indices, **common)
         c4_idx, c4_len = self.builder.c4a_indices(m, local_topk)
         out_c4, _ = tsm.sparse_mla_decode(q, self.swa, m.swa_indices, extra_kv_cache=self.c4, extra_indices=c4_idx,
@@ -351,13 +356,9 @@ class V4TwoC4AStep(V4Step):
     ``c4a_idx`` buffer and attends right after, so the compiled graph must keep the first layer's read of
     that buffer before the second layer's write (the eager order)."""
 
-    def forward(self, query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
-                c4_block_table, c128_block_table, q, kv, compressed_kv, local_topk):
-        m = self.builder(query_start_loc, seq_lens, positions, token_to_req, slot_mapping, swa_block_table,
-                         c4_block_table, c128_block_table)
-        tsm.kv_cache_insert(kv, m.slot_mapping, self.swa, kv_format="fp8_584")
-        tsm.kv_cache_insert(compressed_kv, m.c4_slot_mapping, self.c4, kv_format="fp8_584")
-        common = dict(softmax_scale=DIM ** -0.5, kv_format="fp8_584", topk_length=m.swa_lens, attn_sink=self.sink)
+    def forward(self, *args):  # V4Step's arguments: the eight metadata tensors, q, kv, compressed_kv, local_topk
+        *metadata_args, q, kv, compressed_kv, local_topk = args
+        m, common = self.metadata_and_writes(metadata_args, kv, compressed_kv)
         outs = []
         for layer_topk in (local_topk, local_topk.flip(1) // 2):  # the second layer's indexer picks others
             idx, lens = self.builder.c4a_indices(m, layer_topk)
