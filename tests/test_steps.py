@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import torch_sparse_mla as tsm
-from common import assert_no_recompiles, requires_cuda
+from common import assert_no_recompiles, compile_counter, requires_cuda
 
 I32, I64 = torch.int32, torch.int64
 
@@ -255,6 +255,40 @@ def test_minimax_m3_builder_matches_operators():
 # =====================================================================================================
 # Capacity errors (checked on shapes, message names the limit)
 # =====================================================================================================
+
+
+@pytest.mark.parametrize("model", ["deepseek_v4", "minimax_m3"])
+@pytest.mark.parametrize("shapes", ["unbacked", "backed_size_oblivious"])
+def test_step_compiles_once_for_batch_sizes_with_one(model, shapes):
+    """A batch of one shares the graph of the other sizes in the two dynamic-shape modes that do not
+    specialise sizes 0 and 1 (``dynamic=True`` alone compiles a second graph for it): the batch
+    dimension of every input marked unbacked, or ``backed_size_oblivious``. Each call equals the eager
+    step; the caches and builders end equal. Unbacked sizes needed the builders' 2-D buffers
+    (``steps.py::_row_view``) and capacity checks that do not guard on an unbacked size. Inductor's
+    caches are off here: with ``backed_size_oblivious`` a cache hit brings back a guard ``2 <= size``
+    (torch 2.11 to 2.15), so a batch of one compiles again whenever an earlier process compiled the
+    same step (docs/integration.md, "Batch sizes")."""
+    torch._dynamo.reset()
+    if model == "deepseek_v4":
+        step, twin, make = V4Step(8), V4Step(8), make_v4_batch
+    else:
+        step, twin, make = M3Step(8), M3Step(8), make_m3_batch
+    counter = compile_counter()
+    oblivious = shapes == "backed_size_oblivious"
+    no_caches = (torch._inductor.config.patch(fx_graph_cache=False),
+                 torch._functorch.config.patch(enable_autograd_cache=False))
+    with torch.fx.experimental._config.patch(backed_size_oblivious=oblivious), no_caches[0], no_caches[1]:
+        compiled = torch.compile(step, backend=counter, fullgraph=True, dynamic=True if oblivious else None)
+        for n, padded in ((3, 0), (1, 0), (5, 1), (2, 1), (1, 1)):
+            args = make(n, seed=n + padded, padded=padded).args()
+            if not oblivious:
+                for t in args:
+                    torch._dynamo.decorators.mark_unbacked(t, 0)
+            for got, want in zip(compiled(*args), twin(*args)):
+                assert torch.equal(got, want)
+    assert counter.frame_count == 1, f"expected one compiled frame, got {counter.frame_count}"
+    for got, want in zip(step.buffers(), twin.buffers()):
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
 
 
 def _check_cpp_wrapper(model, device):

@@ -32,6 +32,8 @@ from typing import NamedTuple
 
 import torch
 
+from torch.fx.experimental.symbolic_shapes import guard_or_false
+
 from . import metadata as md
 from .ops._launch import cdiv
 
@@ -39,16 +41,35 @@ I32, I64 = torch.int32, torch.int64
 
 
 def _check_capacity(name: str, size, capacity: int, what: str) -> None:
-    """``size <= capacity`` or ``ValueError``. Dynamo sees a symbolic size as an ``int``: the comparison
-    guards the compiled graph on ``size <= capacity``, so a larger batch recompiles and that trace raises
-    this error (with ``fullgraph=True`` dynamo reports it as an "Observed exception" whose text holds
-    this message). A ``torch.SymInt`` seen outside dynamo (``torch.export``'s non-strict tracing) becomes
-    a runtime assertion, ``torch._check``, whose error is the compiler's generic one."""
-    if not isinstance(size, int) and torch.compiler.is_compiling():
+    """``size <= capacity``, or ``ValueError`` naming the limit.
+
+    Under ``torch.compile`` the check is ``torch._check`` with the same message (a function with no
+    closure, which dynamo can trace in torch 2.11 to 2.15): for a symbolic size dynamo guards the graph
+    on ``size <= capacity``, so a larger batch compiles again and that trace raises an error quoting the
+    message (with ``fullgraph=True`` under dynamo's own error type); an unbacked size gets a runtime
+    assertion instead. A plain comparison would give the same guard but with the lower bound of the
+    size's range in it, which under ``torch.fx.experimental._config.backed_size_oblivious`` made a batch
+    of one compile a second graph. ``torch.export`` keeps the plain comparison (its strict tracer cannot
+    hold the message function in the graph; its non-strict one gets ``torch._check`` without one)."""
+    if guard_or_false(size > capacity):
+        raise ValueError(f"{_capacity_message(name, capacity, what)}, got {size}; build it with a larger capacity")
+    if torch.compiler.is_compiling():
         torch._check(size <= capacity)
-    elif size > capacity:
-        raise ValueError(f"{name}: expected at most {capacity} ({what}, the capacity this builder was made with), "
-                         f"got {size}; build it with a larger capacity")
+
+
+def _capacity_message(name: str, capacity: int, what: str) -> str:
+    return f"{name}: expected at most {capacity} ({what}, the capacity this builder was made with)"
+
+
+def _row_view(buffer: torch.Tensor, rows) -> torch.Tensor:
+    """The first ``rows`` rows of a 2-D buffer, flattened: the 1-D ``out`` view a builder hands an operator.
+
+    A view with as many dimensions and the same strides as its buffer (``buffer[:rows]`` of a 1-D one)
+    makes ``torch.compile`` compare its length with the buffer's when it functionalises the write
+    (``auto_functionalize``'s ``try_use_slice`` in torch 2.11 to 2.15), which fails for an unbacked batch
+    size (``torch._dynamo.decorators.mark_unbacked``); a flattened view of a 2-D buffer is described by
+    its size, strides and offset instead, which hold for any size."""
+    return buffer[:rows].view(-1)
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -99,8 +120,11 @@ class DeepSeekV4MetadataBuilder(torch.nn.Module):
         device: where the buffers live.
 
     Buffers (int32 unless stated; ``N = max_num_tokens``): ``swa_idx [N, window]``, ``swa_lens [N]``,
-    int64 ``c4_slots [N]`` and ``c128_slots [N]``, ``c128a_idx [N, max(max_model_len // 128, 1)]``,
-    ``c128a_lens [N]``, ``c4a_idx [N, index_topk]``, ``c4a_lens [N]``.
+    int64 ``c4_slots [N, 1]`` and ``c128_slots [N, 1]``, ``c128a_idx [N, max(max_model_len // 128, 1)]``,
+    ``c128a_lens [N]``, ``c4a_idx [N, index_topk]``, ``c4a_lens [N]``. The operators write whole
+    buffers, except the compressed slots, which take the first ``T`` rows; those two are columns so
+    that the written view (the first ``T`` rows, flattened) has fewer dimensions than its buffer
+    (:func:`_row_view`).
     """
 
     def __init__(self, *, max_num_tokens: int, max_model_len: int, window: int = 128, swa_page_size: int = 64,
@@ -119,7 +143,7 @@ class DeepSeekV4MetadataBuilder(torch.nn.Module):
         n = max_num_tokens
         for name, shape, dtype in (
             ("swa_idx", (n, window), I32), ("swa_lens", (n,), I32),
-            ("c4_slots", (n,), I64), ("c128_slots", (n,), I64),
+            ("c4_slots", (n, 1), I64), ("c128_slots", (n, 1), I64),
             ("c128a_idx", (n, self.c128a_width), I32), ("c128a_lens", (n,), I32),
             ("c128a_prefill", (0, self.c128a_width), I32),  # decode-only builder: no prefill rows
             ("c4a_idx", (n, index_topk), I32), ("c4a_lens", (n,), I32),
@@ -158,9 +182,9 @@ class DeepSeekV4MetadataBuilder(torch.nn.Module):
         swa_idx, swa_lens = md.swa_indices(positions, token_to_req, swa_block_table, slot_mapping, window=self.window,
                                            block_size=self.swa_page_size, out=(self.swa_idx, self.swa_lens))
         c4_slots = md.compressed_slot_mapping(query_start_loc, seq_lens, c4_block_table, block_size=c4_page,
-                                              compress_ratio=4, out=self.c4_slots[:num_tokens])
+                                              compress_ratio=4, out=_row_view(self.c4_slots, num_tokens))
         c128_slots = md.compressed_slot_mapping(query_start_loc, seq_lens, c128_block_table, block_size=c128_page,
-                                                compress_ratio=128, out=self.c128_slots[:num_tokens])
+                                                compress_ratio=128, out=_row_view(self.c128_slots, num_tokens))
         md.c128a_topk_indices(positions, token_to_req, c128_block_table, slot_mapping, num_decode_tokens=num_tokens,
                               compress_ratio=128, block_size=c128_page, width=self.c128a_width,
                               out=(self.c128a_idx, self.c128a_lens, self.c128a_prefill))
@@ -225,8 +249,10 @@ class MiniMaxM3MetadataBuilder(torch.nn.Module):
         decode_query_len: query tokens per request, ``q``.
         device: where the buffers live.
 
-    Buffers: int32 ``kv_segment_lens [B * q]``, ``qo_offset [B * q]``, int64 ``slots [B * q]``
-    (``B = max_num_reqs``) and a constant int32 ``query_start_loc [B + 1]`` (``r * q``).
+    Buffers: int32 ``kv_segment_lens [B, q]``, ``qo_offset [B, q]``, int64 ``slots [B, q]``
+    (``B = max_num_reqs``; row ``r`` of the metadata is element ``[r // q, r % q]``, and the operators
+    write the first ``batch`` rows as one flat view, :func:`_row_view`) and a constant int32
+    ``query_start_loc [B + 1]`` (``r * q``).
     """
 
     def __init__(self, *, max_num_reqs: int, max_model_len: int, page_size: int = 128, decode_query_len: int = 1,
@@ -237,11 +263,10 @@ class MiniMaxM3MetadataBuilder(torch.nn.Module):
         self.page_size = _check_positive_int("page_size", page_size)
         self.decode_query_len = q = _check_positive_int("decode_query_len", decode_query_len)
         self.max_pages = cdiv(max_model_len, page_size)
-        rows = max_num_reqs * q
         for name, value in (
-            ("kv_segment_lens", torch.zeros(rows, dtype=I32, device=device)),
-            ("qo_offset", torch.zeros(rows, dtype=I32, device=device)),
-            ("slots", torch.full((rows,), -1, dtype=I64, device=device)),
+            ("kv_segment_lens", torch.zeros(max_num_reqs, q, dtype=I32, device=device)),
+            ("qo_offset", torch.zeros(max_num_reqs, q, dtype=I32, device=device)),
+            ("slots", torch.full((max_num_reqs, q), -1, dtype=I64, device=device)),
             ("query_start_loc", torch.arange(max_num_reqs + 1, dtype=I32, device=device) * q),
         ):
             torch._dynamo.mark_static_address(value)
@@ -266,13 +291,13 @@ class MiniMaxM3MetadataBuilder(torch.nn.Module):
         _check_capacity("seq_lens", batch, self.max_num_reqs, "max_num_reqs")
         _check_capacity("block_table.shape[1]", block_table.shape[1], self.max_pages,
                         "ceil(max_model_len / page_size)")
-        rows = batch * self.decode_query_len
         kv_segment_lens, qo_offset = md.decode_runtime_metadata(
             seq_lens, decode_query_len=self.decode_query_len,
-            out=(self.kv_segment_lens[:rows], self.qo_offset[:rows]))
+            out=(_row_view(self.kv_segment_lens, batch), _row_view(self.qo_offset, batch)))
         # Ratio 1: every row "closes" the entry of its own position, which is its cache slot.
         slots = md.compressed_slot_mapping(self.query_start_loc[:batch + 1], seq_lens, block_table,
-                                           block_size=self.page_size, compress_ratio=1, out=self.slots[:rows])
+                                           block_size=self.page_size, compress_ratio=1,
+                                           out=_row_view(self.slots, batch))
         return MiniMaxM3Metadata(kv_segment_lens=kv_segment_lens, qo_offset=qo_offset, slot_mapping=slots,
                                  block_table=block_table)
 
