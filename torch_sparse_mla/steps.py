@@ -43,14 +43,12 @@ I32, I64 = torch.int32, torch.int64
 def _check_capacity(name: str, size, capacity: int, what: str) -> None:
     """``size <= capacity``, or ``ValueError`` naming the limit.
 
-    Under ``torch.compile`` the check is ``torch._check`` with the same message (a function with no
-    closure, which dynamo can trace in torch 2.11 to 2.15): for a symbolic size dynamo guards the graph
-    on ``size <= capacity``, so a larger batch compiles again and that trace raises an error quoting the
-    message (with ``fullgraph=True`` under dynamo's own error type); an unbacked size gets a runtime
-    assertion instead. A plain comparison would give the same guard but with the lower bound of the
-    size's range in it, which under ``torch.fx.experimental._config.backed_size_oblivious`` made a batch
-    of one compile a second graph. ``torch.export`` keeps the plain comparison (its strict tracer cannot
-    hold the message function in the graph; its non-strict one gets ``torch._check`` without one)."""
+    ``guard_or_false`` compares a plain or backed size as ``size > capacity`` does: for a symbolic size
+    under ``torch.compile`` that guards the graph on ``size <= capacity``, so a larger batch compiles
+    again and that trace raises this error (with ``fullgraph=True`` inside dynamo's own error, which
+    quotes it). For an unbacked size (``torch._dynamo.decorators.mark_unbacked``) it answers False
+    without a guard, which a plain comparison cannot do, and ``torch._check`` then adds a runtime
+    assertion with the compiler's generic message."""
     if guard_or_false(size > capacity):
         raise ValueError(f"{_capacity_message(name, capacity, what)}, got {size}; build it with a larger capacity")
     if torch.compiler.is_compiling():
