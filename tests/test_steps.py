@@ -337,6 +337,19 @@ def test_compiled_step_refuses_a_batch_past_capacity(model):
     compiled(*make(fits, seed=1).args())
     with pytest.raises(Exception, match=message):
         compiled(*make(too_many, seed=2).args())
+    # Unbacked batch dimensions: the capacity becomes the graph's bound on the size, and a larger batch
+    # fails too, with the compiler's own error (torch 2.11 to 2.15: a guard that fails as it is made)
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    for n in (fits, too_many):
+        args = make(n, seed=n).args()
+        for t in args:
+            torch._dynamo.decorators.mark_unbacked(t, 0)
+        if n == fits:
+            compiled(*args)
+            continue
+        with pytest.raises(Exception):
+            compiled(*args)
 
 
 def test_capacity_errors():

@@ -47,8 +47,8 @@ def _check_capacity(name: str, size, capacity: int, what: str) -> None:
     under ``torch.compile`` that guards the graph on ``size <= capacity``, so a larger batch compiles
     again and that trace raises this error (with ``fullgraph=True`` inside dynamo's own error, which
     quotes it). For an unbacked size (``torch._dynamo.decorators.mark_unbacked``) it answers False
-    without a guard, which a plain comparison cannot do, and ``torch._check`` then adds a runtime
-    assertion with the compiler's generic message."""
+    without a guard, which a plain comparison cannot do, and ``torch._check`` bounds the size in the
+    graph instead (a larger batch then fails with the compiler's own error)."""
     if guard_or_false(size > capacity):
         raise ValueError(f"{_capacity_message(name, capacity, what)}, got {size}; build it with a larger capacity")
     if torch.compiler.is_compiling():
