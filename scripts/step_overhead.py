@@ -32,6 +32,7 @@ import time
 
 import torch
 
+from torch_sparse_mla import _library
 from torch_sparse_mla.demo import deepseek_v4, minimax_m3
 from torch_sparse_mla.demo._common import capture_graph, compile_step
 
@@ -97,8 +98,6 @@ def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) 
     rows["reduce-overhead, static inputs, back to back"] = _back_to_back(lambda: static(*args))
     rows["reduce-overhead, static inputs, host time alone"] = _host_alone(lambda: static(*args))
     torch._dynamo.reset()
-    from torch_sparse_mla import _library
-
     _library.DIRECT_CALLS = False
     try:
         rows["eager through the dispatcher, back to back"] = _back_to_back(lambda: model(*args), iters=20)

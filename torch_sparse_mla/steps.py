@@ -31,7 +31,6 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
-
 from torch.fx.experimental.symbolic_shapes import guard_or_false
 
 from . import metadata as md
@@ -50,13 +49,10 @@ def _check_capacity(name: str, size, capacity: int, what: str) -> None:
     without a guard, which a plain comparison cannot do, and ``torch._check`` bounds the size in the
     graph instead (a larger batch then fails with the compiler's own error)."""
     if guard_or_false(size > capacity):
-        raise ValueError(f"{_capacity_message(name, capacity, what)}, got {size}; build it with a larger capacity")
+        raise ValueError(f"{name}: expected at most {capacity} ({what}, the capacity this builder was made with), "
+                         f"got {size}; build it with a larger capacity")
     if torch.compiler.is_compiling():
         torch._check(size <= capacity)
-
-
-def _capacity_message(name: str, capacity: int, what: str) -> str:
-    return f"{name}: expected at most {capacity} ({what}, the capacity this builder was made with)"
 
 
 def _row_view(buffer: torch.Tensor, rows) -> torch.Tensor:
