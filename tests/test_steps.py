@@ -341,15 +341,12 @@ def test_compiled_step_refuses_a_batch_past_capacity(model):
     # fails too, with the compiler's own error (torch 2.11 to 2.15: a guard that fails as it is made)
     torch._dynamo.reset()
     compiled = torch.compile(step, fullgraph=True)
-    for n in (fits, too_many):
-        args = make(n, seed=n).args()
-        for t in args:
-            torch._dynamo.decorators.mark_unbacked(t, 0)
-        if n == fits:
-            compiled(*args)
-            continue
-        with pytest.raises(Exception):
-            compiled(*args)
+    fitting, too_large = make(fits, seed=3).args(), make(too_many, seed=6).args()
+    for t in (*fitting, *too_large):
+        torch._dynamo.decorators.mark_unbacked(t, 0)
+    compiled(*fitting)
+    with pytest.raises(Exception):
+        compiled(*too_large)
 
 
 def test_capacity_errors():
@@ -437,9 +434,9 @@ def test_minimax_m3_step_compiles_without_recompiles():
 
 
 class _Metadata(torch.nn.Module):
-    """A builder's call as a compiled function sees it. ``how``: ``"views"`` returns the metadata as the
-    builder gives it (views of its buffers); ``"copy"`` also copies every field into the caller's buffers
-    passed as the last argument; ``"clone"`` returns clones made inside the compiled function."""
+    """A builder's call as a compiled function sees it. ``how``: ``"copy"`` returns the metadata as the
+    builder gives it (views of its buffers) and copies every field into the caller's buffers passed as
+    the last argument; ``"clone"`` returns clones made inside the compiled function."""
 
     def __init__(self, builder, how):
         super().__init__()
