@@ -17,7 +17,9 @@ times in µs, the smallest and the median of the repetitions:
   ``reduce-overhead`` call then copies no input into the graph's own buffers.
 - without CUDA graphs (why a compiled step without graphs is slower than the eager one): the eager
   step with every public call sent through the dispatcher (``_library.DIRECT_CALLS = False``, the
-  path compiled code always takes), and the step compiled with ``fullgraph=True`` in the default
+  path compiled code always takes), right after the eager row and again after the static-address
+  compile and ``torch._dynamo.reset()`` (whether that order matters is open for the DeepSeek-V4 step:
+  ``docs/integration.md``, "C++ wrapper"), and the step compiled with ``fullgraph=True`` in the default
   mode with inductor's Python wrapper and with its C++ wrapper (``cpp_wrapper=True``), back to back
   and host time alone.
 
@@ -88,6 +90,11 @@ def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) 
         "torch.cuda.graph, events around one replay": _events(graph.replay),
         "eager, back to back": _back_to_back(lambda: model(*args), iters=20),
     }
+    _library.DIRECT_CALLS = False
+    try:  # right after the eager row (and again below, after the static-address compile and a reset)
+        rows["eager through the dispatcher, next to eager"] = _back_to_back(lambda: model(*args), iters=20)
+    finally:
+        _library.DIRECT_CALLS = True
     torch._dynamo.reset()
     for t in args:
         torch._dynamo.mark_static_address(t)
@@ -100,7 +107,7 @@ def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) 
     torch._dynamo.reset()
     _library.DIRECT_CALLS = False
     try:
-        rows["eager through the dispatcher, back to back"] = _back_to_back(lambda: model(*args), iters=20)
+        rows["eager through the dispatcher, after reset"] = _back_to_back(lambda: model(*args), iters=20)
     finally:
         _library.DIRECT_CALLS = True
     for label, cpp in (("compiled, no graph", False), ("compiled, no graph, C++ wrapper", True)):
