@@ -76,6 +76,15 @@ def _events(fn, iters: int = 20):
     return out
 
 
+def _through_dispatcher(fn):
+    """:func:`_back_to_back` of an eager step with every public call sent through the dispatcher."""
+    _library.DIRECT_CALLS = False
+    try:
+        return _back_to_back(fn, iters=20)
+    finally:
+        _library.DIRECT_CALLS = True
+
+
 def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) -> None:
     _, compiled = compile_step(model, device)
     for _ in range(3):
@@ -90,11 +99,8 @@ def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) 
         "torch.cuda.graph, events around one replay": _events(graph.replay),
         "eager, back to back": _back_to_back(lambda: model(*args), iters=20),
     }
-    _library.DIRECT_CALLS = False
-    try:  # right after the eager row (and again below, after the static-address compile and a reset)
-        rows["eager through the dispatcher, next to eager"] = _back_to_back(lambda: model(*args), iters=20)
-    finally:
-        _library.DIRECT_CALLS = True
+    # right after the eager row, and again below after the static-address compile and a reset
+    rows["eager through the dispatcher, next to eager"] = _through_dispatcher(lambda: model(*args))
     torch._dynamo.reset()
     for t in args:
         torch._dynamo.mark_static_address(t)
@@ -105,11 +111,7 @@ def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) 
     rows["reduce-overhead, static inputs, back to back"] = _back_to_back(lambda: static(*args))
     rows["reduce-overhead, static inputs, host time alone"] = _host_alone(lambda: static(*args))
     torch._dynamo.reset()
-    _library.DIRECT_CALLS = False
-    try:
-        rows["eager through the dispatcher, after reset"] = _back_to_back(lambda: model(*args), iters=20)
-    finally:
-        _library.DIRECT_CALLS = True
+    rows["eager through the dispatcher, after reset"] = _through_dispatcher(lambda: model(*args))
     for label, cpp in (("compiled, no graph", False), ("compiled, no graph, C++ wrapper", True)):
         torch._dynamo.reset()
         with torch._inductor.config.patch(cpp_wrapper=cpp):
