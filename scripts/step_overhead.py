@@ -18,10 +18,9 @@ times in µs, the smallest and the median of the repetitions:
 - without CUDA graphs (why a compiled step without graphs is slower than the eager one): the eager
   step with every public call sent through the dispatcher (``_library.DIRECT_CALLS = False``, the
   path compiled code always takes), right after the eager row and again after the static-address
-  compile and ``torch._dynamo.reset()`` (whether that order matters is open for the DeepSeek-V4 step:
-  ``docs/integration.md``, "C++ wrapper"), and the step compiled with ``fullgraph=True`` in the default
-  mode with inductor's Python wrapper and with its C++ wrapper (``cpp_wrapper=True``), back to back
-  and host time alone.
+  compile and ``torch._dynamo.reset()`` (``docs/integration.md``, "C++ wrapper"), and the step
+  compiled with ``fullgraph=True`` in the default mode with inductor's Python wrapper and with its C++
+  wrapper (``cpp_wrapper=True``), back to back and host time alone.
 
 Each round builds fresh steps and compiles them again (``torch._dynamo.reset()`` in between). Not a test.
 """
