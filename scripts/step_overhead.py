@@ -77,11 +77,8 @@ def _events(fn, iters: int = 20):
 
 def _through_dispatcher(fn):
     """:func:`_back_to_back` of an eager step with every public call sent through the dispatcher."""
-    _library.DIRECT_CALLS = False
-    try:
+    with _library.dispatcher_calls():
         return _back_to_back(fn, iters=20)
-    finally:
-        _library.DIRECT_CALLS = True
 
 
 def _study(name: str, model: torch.nn.Module, args: list, device: torch.device) -> None:

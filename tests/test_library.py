@@ -51,6 +51,26 @@ def mla_inputs(requires_grad=False):
     return q, cache, indices
 
 
+def test_dispatcher_calls_sends_public_calls_through_torch_ops(dispatched, monkeypatch):
+    """Inside ``dispatcher_calls()`` a public call goes through ``torch.ops.sparse_mla``; the previous
+    setting comes back on exit, also after an error and when it was already off."""
+    inputs = swa_inputs()
+    want = tsm.swa_indices(*inputs, window=4, block_size=2)
+    assert dispatched == [] and _library.DIRECT_CALLS
+    with _library.dispatcher_calls():
+        assert not _library.DIRECT_CALLS
+        got = tsm.swa_indices(*inputs, window=4, block_size=2)
+    assert dispatched == ["swa_indices"] and _library.DIRECT_CALLS
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    with pytest.raises(KeyError), _library.dispatcher_calls():
+        raise KeyError
+    assert _library.DIRECT_CALLS
+    monkeypatch.setattr(_library, "DIRECT_CALLS", False)
+    with _library.dispatcher_calls():
+        pass
+    assert not _library.DIRECT_CALLS
+
+
 def test_every_overload_has_a_direct_entry():
     """Every registered overload can be called directly, and its argument kinds follow its schema."""
     for name in _library.SCHEMAS:

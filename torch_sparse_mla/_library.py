@@ -24,6 +24,7 @@ in a plain eager call (see "eager calls of the public functions" below).
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import threading
 
@@ -527,6 +528,20 @@ def _register(name: str, *, fake, fake_out, cpu, cuda, functional_cpu=None, func
 #: Set to False to send every call of the public functions through the dispatcher (the benchmark's
 #: host-overhead table measures both).
 DIRECT_CALLS = True
+
+
+@contextlib.contextmanager
+def dispatcher_calls():
+    """Inside it, every call of the public functions goes through the dispatcher (``DIRECT_CALLS`` off,
+    the path compiled code always takes); the previous setting comes back on exit."""
+    global DIRECT_CALLS
+    saved, DIRECT_CALLS = DIRECT_CALLS, False
+    try:
+        yield
+    finally:
+        DIRECT_CALLS = saved
+
+
 _DIRECT: dict[str, object] = {}  # overload ("name" or "name.out") -> direct(args, outputs)
 _OVERLOADS: dict[str, object] = {}  # overload -> torch.ops.sparse_mla OpOverload
 _NOT_DIRECT = object()  # what a direct call returns when the dispatcher must take the call

@@ -180,11 +180,8 @@ def eager_ops_us(fn: Callable[[], object]) -> float:
     """:func:`eager_us` with every public call sent through ``torch.ops.sparse_mla`` (the dispatcher)."""
     from torch_sparse_mla import _library
 
-    _library.DIRECT_CALLS = False
-    try:
+    with _library.dispatcher_calls():
         return eager_us(fn)
-    finally:
-        _library.DIRECT_CALLS = True
 
 
 HOST_PASSES = 3
