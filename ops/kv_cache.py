@@ -307,6 +307,18 @@ def _int16_view_of_bf16(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
 
+# Warps per insert program (one token each): 4, and 2 for the float8 formats from
+# _INSERT_TWO_WARPS_MIN tokens on. On an H100 the two were within 0.13 µs of each other from 1 to 2,048
+# tokens, and 2 warps gained 0.4-0.5 µs at 3,072 tokens, 6-7% at 4,096 and 12-14% at 16,384
+# (docs/kv_cache.md, "CUDA").
+_INSERT_TWO_WARPS_MIN = 2560
+
+
+def insert_warps(num_tokens: int, kv_format: str) -> int:
+    """Warps per program of the insert kernel for ``num_tokens`` tokens."""
+    return 2 if kv_format != "auto" and num_tokens >= _INSERT_TWO_WARPS_MIN else 4
+
+
 def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
     n = kv.shape[0]
     if n == 0:
@@ -335,7 +347,8 @@ def kv_cache_insert_triton(kv, slot_mapping, kv_cache, kv_format):
         meta = dict(PAGE_SIZE=page_size, KV_FORMAT=FORMAT_IDS[kv_format], KV_IS_BF16=kv.dtype == torch.bfloat16,
                     STORE_DTYPE=store, BLOCK_D=min(next_pow2(max(dim, 1)), 1024), COPY=copy, ABS_MASK=abs_mask,
                     INF_BITS=inf_bits, NAN_BITS=nan_bits, HW_CVT=kv.device.type == "cuda")
-        launch = _PLANS.put(key, KernelLaunch(_kv_cache_insert_kernel, (n,), args, meta, num_warps=4,
+        launch = _PLANS.put(key, KernelLaunch(_kv_cache_insert_kernel, (n,), args, meta,
+                                              num_warps=insert_warps(n, kv_format),
                                               device=kv.device, reinterpret=True))
     launch(kv, slot_mapping, kv_cache)
 

@@ -4,7 +4,7 @@
 
 One line per (configuration, variant): microseconds (median of CUDA-graph replays) and the relative
 difference from the default variant's output. Used to choose the defaults of
-``ops/sparse_gqa.py::launch_config`` (and ``_INSERT_ROWS``); not a test, not the benchmark.
+``ops/sparse_gqa.py::launch_config`` (and ``insert_plan``); not a test, not the benchmark.
 """
 
 import sys
@@ -35,7 +35,7 @@ HOPPER_VARIANTS = {"hopper": {}, "hopper_s2": dict(num_stages=2), "hopper_s3": d
 HOPPER_SPLITS = (1, 2, 4, 8, 16)
 SPLIT_VARIANTS = (1, 2, 3, 4, 6, 8, 16)
 FORMS = {"": {}, "_kg": dict(transposed=False), "_tr": dict(transposed=True)}
-INSERT_ROWS = (8, 16, 32, 64)
+INSERT_PLANS = ((4, 1), (8, 1), (8, 2), (16, 2), (16, 4), (32, 4))  # (rows per program, warps)
 
 
 def sweep_decode(kv_format):
@@ -73,12 +73,12 @@ def sweep_insert():
     k_scale, v_scale = gqa.INSERT_SCALES
     for kv_format in gqa.FORMATS:
         k, v, slots, cache = gqa.insert_inputs(kv_format, "cuda")  # the benchmark's inputs
-        for rows in INSERT_ROWS:
-            def run(rows=rows):
-                ops.gqa_kv_cache_insert_triton(k, v, slots, cache, k_scale, v_scale, block_r=rows)
+        for rows, warps in INSERT_PLANS:
+            def run(rows=rows, warps=warps):
+                ops.gqa_kv_cache_insert_triton(k, v, slots, cache, k_scale, v_scale, block_r=rows, num_warps=warps)
 
-            print(f"insert {kv_format} N={gqa.INSERT_TOKENS} rows/program={rows:>3}: {graph_us(run):7.1f} us",
-                  flush=True)
+            print(f"insert {kv_format} N={gqa.INSERT_TOKENS} rows/program={rows:>3} warps={warps}: "
+                  f"{graph_us(run):7.1f} us", flush=True)
 
 
 def main(argv):

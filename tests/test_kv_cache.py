@@ -745,6 +745,37 @@ def test_cuda_parity(kv_format, layout):
             assert torch.equal(got.cpu(), want)
 
 
+def test_insert_warps():
+    """4 warps per insert program; 2 for the fp8 formats from _INSERT_TWO_WARPS_MIN tokens on."""
+    edge = kernels._INSERT_TWO_WARPS_MIN
+    for kv_format in ref.FORMATS:
+        many = 4 if kv_format == "auto" else 2
+        assert [kernels.insert_warps(n, kv_format) for n in (1, 128, edge - 1, edge, 2**20)] == [4, 4, 4, many, many]
+
+
+@requires_cuda
+@pytest.mark.parametrize("kv_format", ref.FORMATS)
+def test_cuda_parity_many_tokens(kv_format):
+    """Past _INSERT_TWO_WARPS_MIN tokens (the two-warp insert of the fp8 formats) the CUDA insert writes
+    the CPU kernel's bytes, close calls of rounding included, and a gather reads the CPU kernel's values."""
+    page_size, pad = LAYOUTS["ps3-pad7"]
+    n_valid = kernels._INSERT_TWO_WARPS_MIN + 300
+    pages = -(-n_valid // page_size) + 40
+    cpu = ref.make_cache(pages, page_size, kv_format, page_pad=pad)
+    gpu = ref.make_cache(pages, page_size, kv_format, page_pad=pad, device="cuda")
+    slots = make_slots(pages * page_size, n_valid, seed=32)
+    kv = make_kv(slots.shape[0], FMT_DIM[kv_format], BF16, seed=33).float()
+    rounding = make_rounding_kv(kv_format, seed=34)
+    kv[:rounding.shape[0]] = rounding[:kv.shape[0]]
+    assert kernels.insert_warps(kv.shape[0], kv_format) == (4 if kv_format == "auto" else 2)
+    tsm.kv_cache_insert(kv, slots, cpu, kv_format=kv_format)
+    tsm.kv_cache_insert(kv.cuda(), slots.cuda(), gpu, kv_format=kv_format)
+    assert_same_bytes(gpu, cpu)
+    want = tsm.kv_cache_gather(cpu, slots, kv_format=kv_format, dtype=F32)
+    got = tsm.kv_cache_gather(gpu, slots.cuda(), kv_format=kv_format, dtype=F32)
+    assert torch.equal(int_bits(got.cpu()), int_bits(want))
+
+
 # The quantised tiles of the fp8 formats (tiles per token, values per tile) and every non-negative e4m3
 # value (0 .. 448).
 FP8_TILES = {"fp8_656": (4, 128), "fp8_584": (7, 64)}
