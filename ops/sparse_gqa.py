@@ -1256,15 +1256,12 @@ def _nvfp4_write(x_lo, x_hi, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDE
     tl.store(scale_ptrs, scale_bits.to(tl.uint8), mask=ok[:, None] & (group < 8)[None, :])
 
 
-def insert_plan(num_rows: int, nvfp4: bool) -> tuple[int, int]:
-    """``(rows per program, warps)`` of the cache writer for ``num_rows`` (token, KV head) rows.
-
-    Float8 and 16-bit caches: 16 rows, 4 warps. NVFP4: 4 rows, one warp. Both give a thread whole runs
-    of 8 values (the NVFP4 writer needs a group's halves in one thread); a one-warp NVFP4 program has
-    no barrier between warps, and on an H100 it replayed 4096 tokens x 4 KV heads 9% faster than 16
-    rows in 4 warps and 16,384 tokens 18% faster, 64-1,024 tokens 0.2-0.6 µs faster (``docs/sparse_gqa.md``,
-    "Cache writer"). ``num_rows`` is not used: the same plan was the fastest from 64 to 16,384 tokens.
-    """
+def insert_plan(nvfp4: bool) -> tuple[int, int]:
+    """``(rows per program, warps)`` of the cache writer: 16 rows in 4 warps for float8 and 16-bit
+    caches, 4 rows in one warp for NVFP4. Both give a thread whole runs of 8 values (the NVFP4 writer
+    needs a group's halves in one thread). On an H100 the NVFP4 plan took 9% less time than 16 rows in
+    4 warps at 4096 tokens x 4 KV heads, 18% less at 16,384 tokens and 0.2-0.6 µs less at 64-1,024, the
+    fastest plan at every size (``docs/sparse_gqa.md``, "Cache writer")."""
     return (4, 1) if nvfp4 else (16, 4)
 
 
@@ -1294,7 +1291,7 @@ def gqa_kv_cache_insert_triton(k, v, slot_mapping, kv_cache, k_scale=1.0, v_scal
            kv_cache.stride(), kv_cache.dtype, float(k_scale), float(v_scale), has_k, has_v, k.device, block_r, num_warps)
     launch = _PLANS.get(key)
     if launch is None:
-        rows, warps = insert_plan(num_rows, nvfp4)
+        rows, warps = insert_plan(nvfp4)
         rows, warps = block_r or rows, num_warps or warps
         args = (k_in, k.stride(0), k.stride(1), k.stride(2), v_in, v.stride(0), v.stride(1), v.stride(2),
                 slot_mapping, slot_mapping.stride(0), cache, kv_cache.stride(0), kv_cache.stride(1),
