@@ -1064,7 +1064,7 @@ def _quotient(x, d, r, FAST: tl.constexpr, NONNEG: tl.constexpr = False):
         d = tl.broadcast_to(d, x.shape)
         r = tl.broadcast_to(r, x.shape)
         q = x * r
-        e = tl.fma(-q, d, x)
+        e = tl.fma(q, -d, x)  # not fma(-q, d, x): the compiler then forms -q by a second product
         if NONNEG:  # x >= 0 or NaN and d > 0: a zero quotient is +0.0, as the correction leaves it
             return tl.fma(e, r, q)
         # A zero quotient keeps the sign of x * r (-0.0 / s is -0.0; the correction would add +0.0).
@@ -1075,11 +1075,13 @@ def _quotient(x, d, r, FAST: tl.constexpr, NONNEG: tl.constexpr = False):
 
 @triton.jit
 def _e2m1_code(y):
-    """int32 magnitude code (0..7) of the E2M1 value nearest to float32 ``y >= 0`` (ties to the even
-    code, above 6 -> 7), from the bits: ``y >= 1`` rounds its mantissa to one bit (a carry moves into
-    the exponent), ``y < 1`` rounds ``2 y`` to an integer (adding 2**23 does it, exactly)."""
+    """int32 magnitude code (0..7) of the E2M1 value nearest to float32 ``y`` in ``[0, 7)`` (ties to
+    the even code; the callers bound ``y``), from the bits: ``y >= 1`` rounds its mantissa to one bit
+    (a carry moves into the exponent), ``y < 1`` rounds ``2 y`` to an integer (adding 2**23 does it,
+    exactly)."""
     bits = y.to(tl.int32, bitcast=True)
-    normal = tl.minimum(((bits + 0x1FFFFF + ((bits >> 22) & 1)) >> 22) - 252, 7)  # 1.0 -> 2, 1.5 -> 3, ...
+    # ((bits + 0x1FFFFF + bit 22) >> 22) - 252 with the 252 inside the sum: 1.0 -> 2, 1.5 -> 3, ..., 6.0 -> 7
+    normal = (bits + (0x1FFFFF - (252 << 22)) + ((bits >> 22) & 1)) >> 22
     small = (y * 2.0 + 8388608.0).to(tl.int32, bitcast=True) - 0x4B000000  # 0, 1 or 2
     return tl.where(bits >= 0x3F800000, normal, small)
 
@@ -1185,20 +1187,33 @@ def _max_keep_nan(a, b):
 
 
 @triton.jit
+def _bound_quotient(y):
+    """``min(y, 6)`` for ``y >= 0``, and 0 for NaN (an infinite ``|x|`` over an infinite divisor, whose
+    comparisons with every E2M1 boundary are false), by comparisons: a minimum would keep or drop the
+    NaN depending on the backend."""
+    return tl.where(y < 6.0, y, tl.where(y >= 6.0, 6.0, 0.0))
+
+
+@triton.jit
 def _nvfp4_codes(x, d, r, keep, FAST: tl.constexpr):
     """The data bytes of ``x [BLOCK_R, 8 groups, 8 values]`` (float32) with their groups' divisors
     ``d`` and reciprocals ``r`` ([BLOCK_R, 8, 1]): ``[BLOCK_R, 8, 4]`` int32 bytes, value ``2 b`` in
     the low nibble of byte ``b``, ``2 b + 1`` in the high one; 0 where ``keep`` is false."""
     lo, hi = tl.split(tl.reshape(x, [x.shape[0], 8, 4, 2]))
     lo_abs, hi_abs = tl.abs(lo), tl.abs(hi)
+    # Quotients above 6 code as 6 (code 7): they are bounded below 7 first, as _e2m1_code needs.
     if FAST:
-        cap = 8.0 * d
+        # |x| clamped to 6 d (NaN kept): the quotient of the clamp is RN(RN(6 d) / d), within an ulp
+        # of 6, and every larger |x| has a quotient that codes as 6 too
+        cap = 6.0 * d
         lo_y = _quotient(tl.minimum(lo_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True, True)
         hi_y = _quotient(tl.minimum(hi_abs, cap, propagate_nan=tl.PropagateNan.ALL), d, r, True, True)
     else:
         d_ok = tl.where(keep, d, 1.0)  # groups not kept store 0 whatever the quotient: no 0 / 0 made
         lo_y = _div_rn(lo_abs, d_ok)
         hi_y = _div_rn(hi_abs, d_ok)
+        lo_y = _bound_quotient(lo_y)
+        hi_y = _bound_quotient(hi_y)
     lo_code = _e2m1_code(lo_y) | ((lo.to(tl.int32, bitcast=True) >> 28) & 8)
     hi_code = _e2m1_code(hi_y) | ((hi.to(tl.int32, bitcast=True) >> 28) & 8)
     return tl.where(keep, lo_code | (hi_code << 4), 0)
@@ -1220,7 +1235,7 @@ def _nvfp4_write(x_lo, x_hi, s, slot_ptr, o, ok, PAGE_SIZE: tl.constexpr, V_ORDE
     # overflows. With |s| in [2**-50, 2**50], 6 s is such a divisor, and so is every group's
     # d = scale * s whose scale is neither 0 nor NaN (e4m3 magnitudes lie in [2**-9, 448]); groups
     # with such a scale store codes 0 whatever their quotients. The dividends are clamped first (NaN
-    # kept), to 896 |6 s| and 8 d: past those the quotients saturate (the scale at 448, the code at
+    # kept), to 896 |6 s| and 6 d: past those the quotients saturate (the scale at 448, the code at
     # 6) either way, so the bytes are unchanged and no product overflows. Other scales divide.
     fast = False
     if HW_CVT:

@@ -40,6 +40,9 @@ from test_metadata import (
 from test_sparse_gqa import NVFP4, Cfg, poison_unread_nvfp4
 from test_sparse_gqa import _keys_read as gqa_keys_read
 from test_sparse_gqa import _nvfp4_cache as gqa_nvfp4_cache
+from test_sparse_gqa import assert_same_bytes as gqa_assert_same_bytes
+from test_sparse_gqa import make_cache as gqa_make_cache
+from test_sparse_gqa import naive_insert as gqa_naive_insert
 from test_sparse_gqa import assert_matches_reference as gqa_assert_matches
 from test_sparse_mla import assert_matches
 from test_sparse_mla import reference as mla_reference
@@ -543,6 +546,77 @@ def test_sparse_gqa_decode(backend, data, hkv, group, dh, page_size, dql, batch,
                                     a.pop("kv_segment_lens"), a.pop("qo_offset"), **a)
     tol = 4e-3 if q_dtype == F16 and kv_dtype not in (FP8, NVFP4) else 2e-2
     gqa_assert_matches(out, args, tol=dict(atol=tol, rtol=tol))
+
+
+# =====================================================================================================
+# gqa_kv_cache_insert
+# =====================================================================================================
+
+# Total scales on both sides of the GPU writer's reciprocal-path bounds (2**+-50 for NVFP4, 2**+-60 for
+# float8), ordinary ones and a negative one
+GQA_SCALES = [1.0, 0.05, 3.0, -0.75, 2.0**-49, 2.0**49, 2.0**-51, 2.0**51, 2.0**-61, 2.0**61]
+# Quotients x / s that are rounding ties: of E2M1 (under a block scale of 1), of e4m3, of bf16 and of
+# fp16 (from float32), with representable neighbours, and 6 (a group maximum of 6 s: block scale 1)
+GQA_TIES = [0.0, 0.25, 0.5, 0.75, 1.25, 1.75, 2.5, 3.0, 3.5, 5.0, 6.0, 1.0625, 1.1875, 17.0, 1 + 2.0**-8,
+            1 + 3 * 2.0**-8, 1 + 2.0**-11, 1 + 3 * 2.0**-11]
+
+
+@backends
+@examples(20)
+@given(data=st.data(), kv_dtype=st.sampled_from([BF16, F16, FP8, NVFP4]), in_dtype=st.sampled_from([BF16, F16, F32]),
+       hkv=st.sampled_from([1, 2]), n=st.integers(0, 6), non_finite=st.booleans())
+def test_gqa_kv_cache_insert(backend, data, kv_dtype, in_dtype, hkv, n, non_finite):
+    """The bytes of every cache format against the value-by-value reference: random page counts, sizes
+    and padded page strides, slots from the special values, magnitudes from 1e-3 to 1e3 per row with
+    NaN and infinities mixed in, and total scales on both sides of the writer's division paths, given
+    as floats or as device tensors."""
+    dh = 128 if kv_dtype == NVFP4 else data.draw(st.sampled_from([64, 96, 128]))
+    # NVFP4 pages hold whole token quads (the V scales' order)
+    page_size = data.draw(st.sampled_from([4, 16] if kv_dtype == NVFP4 else [1, 3, 16]))
+    pages = data.draw(st.integers(0, 3))
+    cache = gqa_make_cache(kv_dtype, pages, hkv, page_size, dh, page_pad=data.draw(st.sampled_from([0, 5, 16])))
+    capacity = pages * page_size
+    slots = [data.draw(slot_values(capacity)) for _ in range(n)]
+    seen = set()
+    for i, s in enumerate(slots):  # which of two tokens for one slot wins is unspecified: keep one
+        if 0 <= s < capacity and s in seen:
+            slots[i] = -1
+        seen.add(s)
+    g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
+    k, v = (torch.randn(n, hkv, dh, generator=g) * 10.0 ** torch.randint(-3, 4, (n, hkv, 1), generator=g)
+            for _ in range(2))
+    scales = dict(k_scale=data.draw(st.sampled_from(GQA_SCALES)), v_scale=data.draw(st.sampled_from(GQA_SCALES)))
+    if data.draw(st.booleans()):
+        scales.update(k_scale_tensor=torch.tensor([data.draw(st.sampled_from(GQA_SCALES))]),
+                      v_scale_tensor=torch.tensor([data.draw(st.sampled_from(GQA_SCALES))]))
+    if n and data.draw(st.booleans()):  # rounding ties: values x = s * t, every group's first value 6 s
+        for x, name in ((k, "k"), (v, "v")):
+            total = torch.tensor(scales[name + "_scale"], dtype=torch.float32)
+            if name + "_scale_tensor" in scales:
+                total = total * scales[name + "_scale_tensor"][0]
+            if kv_dtype in (BF16, F16):
+                total = torch.tensor(1.0)  # the scales do not apply
+            pick = torch.randint(0, len(GQA_TIES), x.shape, generator=g)
+            sign = torch.randint(0, 2, x.shape, generator=g) * 2.0 - 1.0
+            x.copy_(torch.tensor(GQA_TIES)[pick] * sign * total)
+            x[..., ::16] = 6.0 * total
+    if non_finite and n:
+        for x in (k, v):
+            x.view(-1)[torch.randint(0, x.numel(), (4,), generator=g)] = torch.tensor(
+                [float("nan"), float("inf"), float("-inf"), 0.0])
+    k, v = k.to(in_dtype), v.to(in_dtype)
+    slot_t = torch.tensor(slots, dtype=I64)
+    want = same_layout_copy(cache)
+    gqa_naive_insert(want, k, v, slot_t, **scales)
+    got = to(cache, backend)
+    if backend == "interpreter":
+        gqa_ops.gqa_kv_cache_insert_triton(k, v, slot_t, got, scales["k_scale"], scales["v_scale"],
+                                           scales.get("k_scale_tensor"), scales.get("v_scale_tensor"))
+    else:
+        tsm.gqa_kv_cache_insert(to(k, backend), to(v, backend), to(slot_t, backend), got,
+                                **{name: to(x, backend) if isinstance(x, torch.Tensor) else x
+                                   for name, x in scales.items()})
+    gqa_assert_same_bytes(got, want)  # the whole storage: page padding and unwritten slots unchanged
 
 
 # =====================================================================================================

@@ -2088,13 +2088,14 @@ def test_cuda_insert_graph_capture_and_replay(kv_dtype):
 def _extreme_insert_inputs(kv_dtype):
     """Values past the saturation (infinities, 1e30), subnormal inputs and signed zeros, whose
     quotients underflow, and total scales inside and outside the range of the GPU writer's reciprocal
-    path (2**+-50 for NVFP4, 2**+-60 for float8), a negative one and an extreme pair."""
+    path (2**+-50 for NVFP4, 2**+-60 for float8), a negative one, an extreme pair and a pair whose
+    NVFP4 divisors overflow where a group holds an infinity (the quotient inf / inf codes as 0)."""
     cache, k, v, slots, _ = _insert_inputs(kv_dtype, FP32, seed=30)
     k[1, 0, :8] = torch.tensor([float("inf"), -float("inf"), 1e30, -1e30, 1e-40, -1e-40, -0.0, 3e38])
     v[1, 1, 16:24] = torch.tensor([-float("inf"), 1e-45, -1e-45, 2.0**-126, -(2.0**-130), 0.0, -0.0, 5e37])
     k[2, 1, 32:48] = -1e-39  # a whole group of negative subnormals
     scale_pairs = ((2.0**-49, 2.0**49), (2.0**-51, 2.0**51), (2.0**-59, 2.0**59), (2.0**-61, 2.0**61),
-                   (-0.75, 1.0 / 3.0), (3e-38, 2.0**70))
+                   (-0.75, 1.0 / 3.0), (3e-38, 2.0**70), (2.0**125, 2.0**125))
     return cache, k, v, slots, scale_pairs
 
 
