@@ -43,6 +43,7 @@ from test_sparse_gqa import _nvfp4_cache as gqa_nvfp4_cache
 from test_sparse_gqa import assert_same_bytes as gqa_assert_same_bytes
 from test_sparse_gqa import make_cache as gqa_make_cache
 from test_sparse_gqa import naive_insert as gqa_naive_insert
+from test_sparse_gqa import total_scale as gqa_total_scale
 from test_sparse_gqa import assert_matches_reference as gqa_assert_matches
 from test_sparse_mla import assert_matches
 from test_sparse_mla import reference as mla_reference
@@ -324,6 +325,18 @@ def slot_values(capacity: int):
                      st.sampled_from(special32(capacity) + [INT64_MIN, INT64_MAX, -(2**40), 2**40]))
 
 
+def draw_slots(data, n: int, capacity: int) -> list[int]:
+    """``n`` slots of ``slot_values``; a valid slot drawn twice is replaced by -1 after its first use
+    (which of two tokens for one slot wins is unspecified: keep one)."""
+    slots = [data.draw(slot_values(capacity)) for _ in range(n)]
+    seen = set()
+    for i, s in enumerate(slots):
+        if 0 <= s < capacity and s in seen:
+            slots[i] = -1
+        seen.add(s)
+    return slots
+
+
 @backends
 @examples(20)
 @given(data=st.data(), kv_dtype=st.sampled_from([BF16, F16, F32]), n=st.integers(0, 6),
@@ -331,12 +344,7 @@ def slot_values(capacity: int):
 def test_kv_cache_insert(backend, data, kv_dtype, n, non_finite):
     kv_format, cache = data.draw(caches())
     capacity = cache.shape[0] * cache.shape[1]
-    slots = [data.draw(slot_values(capacity)) for _ in range(n)]
-    seen = set()
-    for i, s in enumerate(slots):  # which of two tokens for one slot wins is unspecified: keep one
-        if 0 <= s < capacity and s in seen:
-            slots[i] = -1
-        seen.add(s)
+    slots = draw_slots(data, n, capacity)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     dim = FMT_DIM[kv_format]
     kv = (torch.randn(n, dim, generator=g) * 10.0 ** torch.randint(-3, 4, (n, 1), generator=g))
@@ -576,12 +584,7 @@ def test_gqa_kv_cache_insert(backend, data, kv_dtype, in_dtype, hkv, n, non_fini
     pages = data.draw(st.integers(0, 3))
     cache = gqa_make_cache(kv_dtype, pages, hkv, page_size, dh, page_pad=data.draw(st.sampled_from([0, 5, 16])))
     capacity = pages * page_size
-    slots = [data.draw(slot_values(capacity)) for _ in range(n)]
-    seen = set()
-    for i, s in enumerate(slots):  # which of two tokens for one slot wins is unspecified: keep one
-        if 0 <= s < capacity and s in seen:
-            slots[i] = -1
-        seen.add(s)
+    slots = draw_slots(data, n, capacity)
     g = torch.Generator().manual_seed(data.draw(st.integers(0, 2**16)))
     k, v = (torch.randn(n, hkv, dh, generator=g) * 10.0 ** torch.randint(-3, 4, (n, hkv, 1), generator=g)
             for _ in range(2))
@@ -591,11 +594,9 @@ def test_gqa_kv_cache_insert(backend, data, kv_dtype, in_dtype, hkv, n, non_fini
                       v_scale_tensor=torch.tensor([data.draw(st.sampled_from(GQA_SCALES))]))
     if n and data.draw(st.booleans()):  # rounding ties: values x = s * t, every group's first value 6 s
         for x, name in ((k, "k"), (v, "v")):
-            total = torch.tensor(scales[name + "_scale"], dtype=torch.float32)
-            if name + "_scale_tensor" in scales:
-                total = total * scales[name + "_scale_tensor"][0]
-            if kv_dtype in (BF16, F16):
-                total = torch.tensor(1.0)  # the scales do not apply
+            # the scales do not apply to 16-bit caches
+            total = 1.0 if kv_dtype in (BF16, F16) else float(
+                gqa_total_scale(scales[name + "_scale"], scales.get(name + "_scale_tensor")))
             pick = torch.randint(0, len(GQA_TIES), x.shape, generator=g)
             sign = torch.randint(0, 2, x.shape, generator=g) * 2.0 - 1.0
             x.copy_(torch.tensor(GQA_TIES)[pick] * sign * total)
