@@ -35,8 +35,9 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
   ``ops/sparse_gqa.py``), which its combine kernel merges; right after its stores each CTA lets that
   kernel (launched with programmatic dependent launch) be scheduled.
 
-For an NVFP4 cache (the same kernel, ``NQ = 0``) the structure and the producer are the same;
-its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its consumers
+For an NVFP4 cache (the same kernel, ``NQ = 0``) the structure is the same and the producer is one
+warp (its copies are 16 bytes per thread each, from one per-thread address per block plus constant
+offsets); its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its consumers
 expand V into a float16 tile and K straight into the registers of the ``Q K^T`` MMA's A operand
 (``value * scale * 2**-7``, exact) and run float16 ``wgmma``; the query is staged as float16 in K's
 column order (``_nv_kdim``), the V tile's columns are in ``_nv_dim`` order (undone by the epilogue).
@@ -81,6 +82,10 @@ NUM_STAGES = 4  # raw stages of the ring: up to NUM_STAGES blocks in flight
 # (docs/sparse_gqa_hopper.md, "Registers to the consumers": 2% faster than 96 / 96 / 48).
 _MAXNREG = 80
 _WORKER_REGS = (112, 24)
+# Warps of the NVFP4 kernel's producer partition: its per-block bookkeeping (stage wait, page lookup,
+# arrival) is the same for one warp as for each of four, and the kernel is bound by what its warps issue
+# (docs/sparse_gqa_hopper.md, "One producer warp for NVFP4"). The float8 producer keeps four warps.
+_NV_PRODUCER_WARPS = 1
 # CTAs the plan aims at per SM (registers and 75-85 KB of shared memory per CTA allow two)
 _CTAS_PER_SM = 2
 # Fewest blocks a split keeps (a split of one block has nothing to overlap its copies with).
@@ -103,8 +108,10 @@ if HAS_GLUON:
     # hand-off as a race (docs/testing.md, "Under compute-sanitizer"). So every thread of the releasing
     # partition arrives as well, with ``cp.async.mbarrier.arrive.noinc``: it triggers once the thread's
     # own copies in flight are complete, and the callers have none in flight, so it arrives at once. An
-    # mbarrier released this way expects ``ARRIVALS`` arrivals (one partition of four warps).
+    # mbarrier released this way expects ``ARRIVALS`` arrivals (one partition of four warps; one more than
+    # the releasing partition's threads in general: the NVFP4 producer's is one warp).
     ARRIVALS = gl.constexpr(1 + 128)
+    _NVPW = gl.constexpr(_NV_PRODUCER_WARPS)
 
     @gluon.jit
     def _release(bar):
@@ -216,7 +223,7 @@ if HAS_GLUON:
     def _page_table(t, g, blk_lo, blk_hi, topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
                     bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
                     num_pages, num_req, max_blocks, n_sel, decode_query_len, page_phys, page_keys,
-                    PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, BLOCK_SEL: gl.constexpr):
+                    PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, BLOCK_SEL: gl.constexpr, W: gl.constexpr):
         """Store the split's page table (physical page, visible keys of each selected page) in shared
         memory; returns the split's first page index ``j_lo``."""
         req = t // decode_query_len
@@ -225,7 +232,7 @@ if HAS_GLUON:
         limit = gl.minimum(qo + 1, kv_len)  # positions x < limit are visible
         # The split's pages (blocks [blk_lo, blk_hi) lie on pages j_lo .. (blk_hi - 1) // CPB), resolved
         # up front: no dependent index loads in the loop.
-        SEL: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        SEL: gl.constexpr = gl.BlockedLayout([1], [32], [W], [0])  # the producer's W warps
         j_lo = blk_lo // CPB
         sel = gl.arange(0, BLOCK_SEL, layout=SEL)
         js = (j_lo + sel).to(gl.int64)
@@ -267,7 +274,7 @@ if HAS_GLUON:
         j_lo = _page_table(t, g, blk_lo, blk_hi, topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
                            bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
                            num_pages, num_req, max_blocks, n_sel, decode_query_len, page_phys, page_keys,
-                           PAGE_SIZE, CPB, BLOCK_SEL)
+                           PAGE_SIZE, CPB, BLOCK_SEL, _NVPW if NVFP4 else 4)
         _release(pages_ready)  # the consumers read the keys per page too (no copy is in flight yet)
 
         # Each thread arrives on a stage's `ready` barrier right after issuing its copies of the block:
@@ -671,29 +678,35 @@ if HAS_GLUON:
         """Start the copies of block ``blk`` into stage ``stage``: the 64 keys' K and V data rows (64
         bytes each) and their K and V scale bytes (512 each, contiguous for a block). Only keys the row
         may see are copied, in pairs (K scales) and quads (V scales) led by such a key; the rest read as
-        zeros. No commit."""
-        DL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [4, 1], [1, 0])  # [64 keys, 64 bytes]
-        SCL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [4, 1], [1, 0])  # [32 chunks, 16 bytes]
-        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        zeros. No commit.
+
+        Run by the producer's ``_NVPW`` warps: each thread copies 16 bytes of ``RC`` rows at a time,
+        from one address per thread and block (the block's base plus an offset that is the same for
+        every block) and constant offsets per chunk, which the copy instructions take as immediates."""
+        RC: gl.constexpr = 8 * _NVPW  # rows per chunk
+        DL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [_NVPW, 1], [1, 0])  # [RC keys, 64 bytes]
+        SCL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [_NVPW, 1], [1, 0])  # [32 chunks, 16 bytes]
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [_NVPW], [0])
         jj = blk // CPB - j_lo
         p_phys = gl.sum(page_phys.index(jj).load(ONE), axis=0).to(gl.int64)
         p_keys = gl.sum(page_keys.index(jj).load(ONE), axis=0)
         o0 = (blk % CPB) * _BN
-        kslot = cache_ptr + p_phys * stride_cp + (2 * g) * stride_ch
-        vslot = kslot + stride_ch
-        o = o0 + gl.arange(0, _BN, layout=gl.SliceLayout(1, DL))
+        n_vis = p_keys - o0  # the block's keys the row may see: a prefix (may be <= 0 or > _BN)
+        slot = cache_ptr + p_phys * stride_cp + (2 * g) * stride_ch  # the K slot; V's is the next one
+        r = gl.arange(0, RC, layout=gl.SliceLayout(1, DL))
         cols = gl.arange(0, 64, layout=gl.SliceLayout(0, DL))
-        rows_ok = (o < p_keys)[:, None]
-        offs = (o.to(gl.int64) * 64)[:, None] + cols[None, :]
-        async_load(kdat.index(stage), kslot + offs, mask=rows_ok)
-        async_load(vdat.index(stage), vslot + offs, mask=rows_ok)
+        pk = slot + o0 * 64 + ((r * 64)[:, None] + cols[None, :])
+        pv = pk + stride_ch
+        for i in gl.static_range(_BN // RC):
+            rows_ok = (r + i * RC < n_vis)[:, None]
+            async_load(kdat.index(stage).slice(i * RC, RC), pk + i * RC * 64, mask=rows_ok)
+            async_load(vdat.index(stage).slice(i * RC, RC), pv + i * RC * 64, mask=rows_ok)
         c = gl.arange(0, 32, layout=gl.SliceLayout(1, SCL))
         b = gl.arange(0, 16, layout=gl.SliceLayout(0, SCL))
-        base = PAGE_SIZE * 64 + o0 * 8  # K: 8 bytes per key; V: 32 bytes per quad of keys, the same total
-        soffs = (base + c * 16)[:, None] + b[None, :]
-        async_load(ksc.index(stage), kslot + soffs, mask=(o0 + 2 * c < p_keys)[:, None])
-        async_load(vsc.index(stage), vslot + soffs,
-                   mask=(o0 + 4 * (c // 2) < p_keys)[:, None])
+        # K: 8 bytes per key; V: 32 bytes per quad of keys, the same total
+        ps = slot + (PAGE_SIZE * 64 + o0 * 8) + ((c * 16)[:, None] + b[None, :])
+        async_load(ksc.index(stage), ps, mask=(2 * c < n_vis)[:, None])
+        async_load(vsc.index(stage), ps + stride_ch, mask=(4 * (c // 2) < n_vis)[:, None])
 
     @gluon.jit
     def _nv_load_q(q_ptr, stride_qt, stride_qh, stride_qd, qs, t, g, hb, group, HB: gl.constexpr,
@@ -889,12 +902,13 @@ if HAS_GLUON:
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         merge_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         pages_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        PW: gl.constexpr = _NVPW if NQ == 0 else 4  # the producer's warps
         for s in gl.static_range(NR):
-            mbarrier.init(ready.index(s), count=128)  # each producer thread, once its copies of a block landed
+            mbarrier.init(ready.index(s), count=32 * PW)  # each producer thread, once its copies of a block landed
             mbarrier.init(kfree.index(s), count=128)  # each thread of the block's consumer: done with the stage
         mbarrier.init(q_ready, count=ARRIVALS)  # consumer 0: Q staged
         mbarrier.init(merge_ready, count=ARRIVALS)  # consumer 1: its state handed over
-        mbarrier.init(pages_ready, count=ARRIVALS)  # the producer: the split's page table
+        mbarrier.init(pages_ready, count=1 + 32 * PW)  # the producer: the split's page table (_release)
         fence_async_shared()
         gl.warp_specialize(
             [(_any_consumer, (q_ptr, stride_qt, stride_qh, stride_qd, k_scale_ptr, v_scale_ptr,
@@ -916,7 +930,7 @@ if HAS_GLUON:
                           num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
                           kraw, vraw, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
                           PAGE_SIZE, CPB, NR, BLOCK_SEL, NQ == 0))],
-            [4, 4], WORKER_REGS)
+            [4, PW], WORKER_REGS)
 
 # =====================================================================================================
 # host side
