@@ -37,8 +37,8 @@ flight per CTA, never converts K, and runs two softmax consumers per CTA:
 
 For an NVFP4 cache (the same kernel, ``NQ = 0``) the structure is the same and the producer is one
 warp (its copies are 16 bytes per thread each, from one per-thread address per block plus constant
-offsets); its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its consumers
-expand V into a float16 tile and K straight into the registers of the ``Q K^T`` MMA's A operand
+offsets); its stages hold a block's E2M1 bytes and E4M3 group scales (9 KB instead of 16), and its
+consumers expand V into a float16 tile and K straight into the registers of the ``Q K^T`` MMA's A operand
 (``value * scale * 2**-7``, exact) and run float16 ``wgmma``; the query is staged as float16 in K's
 column order (``_nv_kdim``), the V tile's columns are in ``_nv_dim`` order (undone by the epilogue).
 
@@ -84,7 +84,8 @@ _MAXNREG = 80
 _WORKER_REGS = (112, 24)
 # Warps of the NVFP4 kernel's producer partition: its per-block bookkeeping (stage wait, page lookup,
 # arrival) is the same for one warp as for each of four, and the kernel is bound by what its warps issue
-# (docs/sparse_gqa_hopper.md, "One producer warp for NVFP4"). The float8 producer keeps four warps.
+# (docs/sparse_gqa_hopper.md, "What the NVFP4 kernel's warps wait for, and a one-warp producer"). The
+# float8 producer keeps four warps (one would spill: it copies 16 KB per block).
 _NV_PRODUCER_WARPS = 1
 # CTAs the plan aims at per SM (registers and 75-85 KB of shared memory per CTA allow two)
 _CTAS_PER_SM = 2
@@ -261,10 +262,10 @@ if HAS_GLUON:
                   num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
                   kraw, vraw, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
                   PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, NR: gl.constexpr, BLOCK_SEL: gl.constexpr,
-                  NVFP4: gl.constexpr):
+                  NVFP4: gl.constexpr, PW: gl.constexpr):
         """The copying partition of both kernels. With ``NVFP4`` the cache is NVFP4 (``stride_ch`` the
         slot stride, K slot ``2 g``, ``kraw`` / ``vraw`` the data rings and ``ksc`` / ``vsc`` the scale
-        rings); otherwise a float8 value cache (``ksc`` / ``vsc`` unused)."""
+        rings); otherwise a float8 value cache (``ksc`` / ``vsc`` unused). ``PW`` is its number of warps."""
         stride_cp = gl.cast(stride_cp, gl.int64)
         stride_ch = gl.cast(stride_ch, gl.int64)
         stride_co = gl.cast(stride_co, gl.int64)
@@ -274,7 +275,7 @@ if HAS_GLUON:
         j_lo = _page_table(t, g, blk_lo, blk_hi, topk_ptr, stride_tk_t, stride_tk_h, stride_tk_j,
                            bt_ptr, stride_bt_r, stride_bt_c, kv_lens_ptr, stride_kvl, qo_ptr, stride_qo,
                            num_pages, num_req, max_blocks, n_sel, decode_query_len, page_phys, page_keys,
-                           PAGE_SIZE, CPB, BLOCK_SEL, _NVPW if NVFP4 else 4)
+                           PAGE_SIZE, CPB, BLOCK_SEL, PW)
         _release(pages_ready)  # the consumers read the keys per page too (no copy is in flight yet)
 
         # Each thread arrives on a stage's `ready` barrier right after issuing its copies of the block:
@@ -929,7 +930,7 @@ if HAS_GLUON:
                           num_pages, num_req, max_blocks, n_sel,
                           num_kv_heads, num_head_blocks, num_splits, blocks_per_split, decode_query_len,
                           kraw, vraw, ksc, vsc, page_phys, page_keys, pages_ready, ready, kfree,
-                          PAGE_SIZE, CPB, NR, BLOCK_SEL, NQ == 0))],
+                          PAGE_SIZE, CPB, NR, BLOCK_SEL, NQ == 0, PW))],
             [4, PW], WORKER_REGS)
 
 # =====================================================================================================
