@@ -68,6 +68,30 @@ def test_gqa_floor_reads_each_key_once():
                 assert case.floor_read == case.bytes - case.written, case.name
 
 
+
+@pytest.mark.parametrize("kv_format", ["fp8", "nvfp4"])
+def test_gqa_inputs_are_the_same_for_the_same_seed(kv_format):
+    """The sparse-GQA rows' inputs, the cache contents included, depend on the seed alone (so two runs,
+    or two processes of one comparison, time the same bytes), and another seed gives another cache."""
+    from torch_sparse_mla.bench import gqa
+
+    def inputs(seed):
+        args, _, _ = gqa._decode_inputs(kv_format, 2, 1, seed=seed, device="cpu", context_pages=3, n_sel=2)
+        return args
+
+    torch.manual_seed(0)
+    first = inputs(5)
+    torch.manual_seed(1)  # the global generator must not matter
+    again, other = inputs(5), inputs(6)
+    for a, b in zip(first, again):
+        if isinstance(a, torch.Tensor):
+            assert torch.equal(a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+                               b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b)
+        else:
+            assert a == b
+    cache, other_cache = first[1], other[1]
+    assert not torch.equal(cache.view(torch.uint8), other_cache.view(torch.uint8))
+
 def test_full_configurations_cover_the_targets():
     """The MLA benchmark times every configuration of the speed targets."""
     from torch_sparse_mla.bench import mla

@@ -43,18 +43,21 @@ _INSERT_BASELINES = {"fp8": baselines.gqa_insert_fp8, "nvfp4": baselines.gqa_ins
 
 
 def _cache(kv_format: str, num_pages: int, gen: torch.Generator, device: str) -> torch.Tensor:
-    """A full cache of random values (written with gqa_kv_cache_insert for NVFP4)."""
+    """A full cache of random values (written with gqa_kv_cache_insert for NVFP4), the same on every run
+    for the same seed of ``gen`` (drawn on ``device`` by a generator seeded from it; ``gen`` itself is
+    not advanced, so the inputs drawn after the cache stay as they were)."""
+    dev_gen = torch.Generator(device=device).manual_seed(gen.initial_seed())
     if kv_format == "fp8":
         cache = torch.empty(num_pages, HKV, PAGE_SIZE, 2 * HEAD_DIM, dtype=torch.float8_e4m3fn, device=device)
         for start in range(0, num_pages, 512):  # bounded float32 temporaries
             chunk = cache[start:start + 512]
-            chunk.copy_(torch.randn(chunk.shape, device=device) * 2)
+            chunk.copy_(torch.randn(chunk.shape, device=device, generator=dev_gen) * 2)
         return cache
     cache = torch.empty(num_pages, 2 * HKV, PAGE_SIZE, 72, dtype=torch.uint8, device=device)
     tokens = num_pages * PAGE_SIZE
     for start in range(0, tokens, 1 << 16):
         n = min(1 << 16, tokens - start)
-        k, v = (torch.randn(n, HKV, HEAD_DIM, device=device) * 2 for _ in range(2))
+        k, v = (torch.randn(n, HKV, HEAD_DIM, device=device, generator=dev_gen) * 2 for _ in range(2))
         gqa_kv_cache_insert(k, v, torch.arange(start, start + n, device=device), cache)
     return cache
 
