@@ -1740,15 +1740,16 @@ def test_hopper_kernel_builds_for_sm90_within_limits():
         # (docs/sparse_gqa_hopper.md, "Fewer instructions per block"; triton 3.6 and 3.7.1: a consumer's loop
         # float8 298-327, NVFP4 489-500 (505-514 before); with the reference maximum, its rarely taken
         # exact-maximum branch included, float8 371-407 (388-424 before), NVFP4 564-571 (599-605 before);
-        # the producer 82-90; 3.8 and 3.9 within these limits too): a longer consumer loop is a slower
-        # kernel; no spill store or reload in a loop
+        # the producer 82-90, NVFP4's one-warp producer since 7d239d1 98 with 3.7.1 and 125 with 3.6, whose ptxas
+        # puts 21 never-executed LDS and 10 NOPs between the copies; 3.8 and 3.9 within these limits too): a
+        # longer consumer loop is a slower kernel; no spill store or reload in a loop
         lazy = " lazy=1" in row
         loops = [int(n) for n in re.search(r"loops=([\d,]+)", row).group(1).split(",")]
         loop_spills = [int(n) for n in re.search(r"loop_spills=([\d,]+)", row).group(1).split(",")]
         assert len(loops) == 3 and len(loop_spills) == 3, row
         producer, *consumers = sorted(loops)
         limit = (580 if nvfp4 else 415) if lazy else (510 if nvfp4 else 360)
-        assert max(consumers) <= limit and producer <= 120, row
+        assert max(consumers) <= limit and producer <= (130 if nvfp4 else 100), row
         assert max(loop_spills) == 0, row
 
 
