@@ -89,6 +89,25 @@ def test_gqa_inputs_are_the_same_for_the_same_seed(kv_format):
     assert all(same(a, b) for a, b in zip(first, again))
     assert not same(first[1], other[1])
 
+@pytest.mark.parametrize("kv_format", ["auto", "fp8_656", "fp8_584"])
+def test_kv_cache_gather_cache_is_the_same_for_the_same_seed(kv_format):
+    """The gather rows' cache (every slot written) depends on the row's seed alone, not on the global
+    generator, and another seed gives other bytes."""
+    from torch_sparse_mla.bench import kv_cache
+
+    def cache(seed):
+        full = kv_cache._full_cache(kv_format, 2 * kv_cache.PAGE_SIZE, 512 if kv_format == "fp8_584" else 576,
+                                    seed, "cpu")
+        return kv_cache._raw(full)
+
+    torch.manual_seed(0)
+    first = cache(5)
+    torch.manual_seed(1)  # the global generator must not matter
+    again, other = cache(5), cache(6)
+    assert torch.equal(first, again)
+    assert not torch.equal(first, other)
+
+
 def test_full_configurations_cover_the_targets():
     """The MLA benchmark times every configuration of the speed targets."""
     from torch_sparse_mla.bench import mla

@@ -47,6 +47,16 @@ def _cache(kv_format: str, slots: int, device: str) -> tuple[torch.Tensor, torch
     return torch.as_strided(flat, (pages, PAGE_SIZE, 584), (stride, 584, 1)), flat
 
 
+def _full_cache(kv_format: str, pool: int, dim: int, seed: int, device: str) -> torch.Tensor:
+    """A cache of ``pool`` slots with every slot written, its values drawn from a generator seeded with
+    ``seed`` on ``device`` (the same bytes in every process; the global generator is not used)."""
+    full, _ = _cache(kv_format, pool, device)
+    gen = torch.Generator(device).manual_seed(seed)
+    values = torch.randn(pool, dim, device=device, generator=gen) * 4
+    tsm.kv_cache_insert(values, torch.arange(pool, device=device), full, kv_format=kv_format)
+    return full
+
+
 def _insert_fp8_584(kv, slots, pages):
     baselines.write_fp8_584_pages(kv, slots, pages, PAGE_SIZE)
 
@@ -87,9 +97,7 @@ def cases(quick: bool = False, device: str = "cuda", smoke: bool = False) -> Ite
                        written=float(n * token_bytes), run=run, reference=reference, check=check,
                        operator="kv_cache_insert", host_overhead=n == 1)
 
-            full, _ = _cache(kv_format, pool, device)  # every slot written
-            tsm.kv_cache_insert(torch.randn(pool, dim, device=device) * 4, torch.arange(pool, device=device), full,
-                                kv_format=kv_format)
+            full = _full_cache(kv_format, pool, dim, gen.initial_seed(), device)
             out = torch.empty(n, dim, dtype=torch.bfloat16, device=device)
             gather_ref = compile_reference(_GATHER[kv_format])
 
