@@ -68,6 +68,18 @@ def test_gqa_floor_reads_each_key_once():
                 assert case.floor_read == case.bytes - case.written, case.name
 
 
+def _same(a, b) -> bool:
+    """Bytewise equality of two inputs (an fp8 tensor has no ``torch.equal``); other values by ``==``."""
+    return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if isinstance(a, torch.Tensor) else a == b
+
+
+def _drawn_with_other_global_seeds(make):
+    """``make(5)`` under two different global seeds (which must not matter), then ``make(6)``."""
+    torch.manual_seed(0)
+    first = make(5)
+    torch.manual_seed(1)
+    return first, make(5), make(6)
+
 
 @pytest.mark.parametrize("kv_format", ["fp8", "nvfp4"])
 def test_gqa_inputs_are_the_same_for_the_same_seed(kv_format):
@@ -79,15 +91,10 @@ def test_gqa_inputs_are_the_same_for_the_same_seed(kv_format):
         args, _, _ = gqa._decode_inputs(kv_format, 2, 1, seed=seed, device="cpu", context_pages=3, n_sel=2)
         return args
 
-    torch.manual_seed(0)
-    first = inputs(5)
-    torch.manual_seed(1)  # the global generator must not matter
-    again, other = inputs(5), inputs(6)
-    def same(a, b):  # bytewise (an fp8 cache has no torch.equal)
-        return torch.equal(a.view(torch.uint8), b.view(torch.uint8)) if isinstance(a, torch.Tensor) else a == b
+    first, again, other = _drawn_with_other_global_seeds(inputs)
+    assert all(_same(a, b) for a, b in zip(first, again))
+    assert not _same(first[1], other[1])
 
-    assert all(same(a, b) for a, b in zip(first, again))
-    assert not same(first[1], other[1])
 
 @pytest.mark.parametrize("kv_format", ["auto", "fp8_656", "fp8_584"])
 def test_kv_cache_gather_cache_is_the_same_for_the_same_seed(kv_format):
@@ -100,12 +107,9 @@ def test_kv_cache_gather_cache_is_the_same_for_the_same_seed(kv_format):
                                     seed, "cpu")
         return kv_cache._raw(full)
 
-    torch.manual_seed(0)
-    first = cache(5)
-    torch.manual_seed(1)  # the global generator must not matter
-    again, other = cache(5), cache(6)
-    assert torch.equal(first, again)
-    assert not torch.equal(first, other)
+    first, again, other = _drawn_with_other_global_seeds(cache)
+    assert _same(first, again)
+    assert not _same(first, other)
 
 
 def test_full_configurations_cover_the_targets():
