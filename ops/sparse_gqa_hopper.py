@@ -288,7 +288,7 @@ if HAS_GLUON:
                 mbarrier.wait(kfree.index(i % NR), ((i - NR) // NR) & 1)  # block i - NR's consumer is done
             if NVFP4:
                 _nv_issue_block(blk_lo + i, i % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, g,
-                                kraw, vraw, ksc, vsc, PAGE_SIZE, CPB)
+                                kraw, vraw, ksc, vsc, PAGE_SIZE, CPB, PW)
             else:
                 _issue_block(blk_lo + i, i % NR, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch,
                              stride_co, g, kraw, vraw, CPB)
@@ -677,19 +677,19 @@ if HAS_GLUON:
 
     @gluon.jit
     def _nv_issue_block(blk, stage, j_lo, page_phys, page_keys, cache_ptr, stride_cp, stride_ch, g,
-                        kdat, vdat, ksc, vsc, PAGE_SIZE: gl.constexpr, CPB: gl.constexpr):
+                        kdat, vdat, ksc, vsc, PAGE_SIZE: gl.constexpr, CPB: gl.constexpr, PW: gl.constexpr):
         """Start the copies of block ``blk`` into stage ``stage``: the 64 keys' K and V data rows (64
         bytes each) and their K and V scale bytes (512 each, contiguous for a block). Only keys the row
         may see are copied, in pairs (K scales) and quads (V scales) led by such a key; the rest read as
         zeros. No commit.
 
-        Run by the producer's ``_NVPW`` warps: each thread copies 16 bytes of ``RC`` rows at a time,
+        Run by the producer's ``PW`` warps: each thread copies 16 bytes of ``RC`` rows at a time,
         from one address per thread and block (the block's base plus an offset that is the same for
         every block) and constant offsets per chunk, which the copy instructions take as immediates."""
-        RC: gl.constexpr = 8 * _NVPW  # rows per chunk
-        DL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [_NVPW, 1], [1, 0])  # [RC keys, 64 bytes]
-        SCL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [_NVPW, 1], [1, 0])  # [32 chunks, 16 bytes]
-        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [_NVPW], [0])
+        RC: gl.constexpr = 8 * PW  # rows per chunk
+        DL: gl.constexpr = gl.BlockedLayout([1, 16], [8, 4], [PW, 1], [1, 0])  # [RC keys, 64 bytes]
+        SCL: gl.constexpr = gl.BlockedLayout([1, 16], [32, 1], [PW, 1], [1, 0])  # [32 chunks, 16 bytes]
+        ONE: gl.constexpr = gl.BlockedLayout([1], [32], [PW], [0])
         jj = blk // CPB - j_lo
         p_phys = gl.sum(page_phys.index(jj).load(ONE), axis=0).to(gl.int64)
         p_keys = gl.sum(page_keys.index(jj).load(ONE), axis=0)

@@ -103,8 +103,7 @@ def test_kv_cache_gather_cache_is_the_same_for_the_same_seed(kv_format):
     from torch_sparse_mla.bench import kv_cache
 
     def cache(seed):
-        full = kv_cache._full_cache(kv_format, 2 * kv_cache.PAGE_SIZE, 512 if kv_format == "fp8_584" else 576,
-                                    seed, "cpu")
+        full = kv_cache._full_cache(kv_format, 2 * kv_cache.PAGE_SIZE, kv_cache.FORMATS[kv_format][0], seed, "cpu")
         return kv_cache._raw(full)
 
     first, again, other = _drawn_with_other_global_seeds(cache)
