@@ -1,11 +1,11 @@
 """What merging split partials inside a thread-block cluster costs, against a second kernel (GPU only,
-sm_90, Triton 3.6 to 3.9).
+sm_90; measured with Triton 3.6).
 
     python scripts/cluster_merge_probe.py [--rounds 3]
 
 No decode runs here. ``G`` groups of ``S`` CTAs (4 warps each, with 100 KB of dynamic shared memory so
 that two CTAs fit an SM, as the sparse-GQA decode's do) write the split partials of 16 heads (``m``,
-``l`` and 16 x 128 float32 accumulators, the layout of the decode's workspace). Then, timed as
+``l`` and 16 x 128 float32 accumulators per CTA, as much as a decode CTA writes). Then, timed as
 separate CUDA graphs under the benchmark's timer (L2 flushed before each replay):
 
 - ``partials``: the CTAs end;
